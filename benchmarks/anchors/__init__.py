@@ -1,0 +1,1 @@
+"""Anchors: the reference implementations jgptq is measured against (torch GPTQ loop, llama.cpp's C codecs)."""
