@@ -122,10 +122,18 @@ def quantize(x: np.ndarray, type_id: int, importance: Optional[np.ndarray] = Non
     return out
 
 
-def dequantize(payload: np.ndarray, type_id: int, name: str) -> np.ndarray:
-    """llama.cpp's ``dequantize_row_<name>`` on every row of ``payload`` (uint8 (rows, nbytes)) -> float32."""
+def _c_name(type_id: int) -> str:
+    """The type's name as ggml's C symbols spell it (``q4_0``, ``q4_K``, ``iq2_xxs``)."""
+    import gguf
+
+    name = gguf.GGMLQuantizationType(int(type_id)).name.lower()
+    return name[:-2] + "_K" if name.endswith("_k") else name
+
+
+def dequantize(payload: np.ndarray, type_id: int) -> np.ndarray:
+    """llama.cpp's ``dequantize_row_<type>`` on every row of ``payload`` (uint8 (rows, nbytes)) -> float32."""
     lib = load()
-    fn = getattr(lib, f"dequantize_row_{name.lower()}")
+    fn = getattr(lib, f"dequantize_row_{_c_name(type_id)}")
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     payload = np.ascontiguousarray(payload, dtype=np.uint8)
