@@ -14,16 +14,31 @@ import os
 import sys
 import warnings
 
-# When torch shares the GPU, JAX must not grab 75% of it up front. This only works before jax is imported.
-if "jax" in sys.modules:
-    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") is None and "jax._src.xla_bridge" in sys.modules:
-        warnings.warn(
-            "jax was imported before jgptq: GPU memory preallocation could not be turned off; set "
-            "XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax if torch shares the GPU",
-            stacklevel=2,
-        )
-else:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# When torch shares the GPU, JAX must not grab 75% of it up front. The variable is read when JAX starts its
+# backends, so it still takes effect if jax was imported but has not run anything yet.
+def _disable_preallocation() -> None:
+    started = False
+    if "jax" in sys.modules:
+        try:
+            from jax._src import xla_bridge
+
+            started = bool(getattr(xla_bridge, "_backends", {}))
+        except Exception:  # pragma: no cover - private layout changed
+            started = True
+    if not started:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    elif os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") is None:
+        import jax
+
+        if any(d.platform != "cpu" for d in jax.devices()):
+            warnings.warn(
+                "JAX started before jgptq was imported and preallocated most of the GPU memory; set "
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false before the first JAX computation if torch shares the GPU",
+                stacklevel=3,
+            )
+
+
+_disable_preallocation()
 
 from jgptq.config import QuantConfig  # noqa: E402
 

@@ -1,0 +1,357 @@
+"""The blockwise GPTQ solver: lazy block updates, column or group updates, act-order, static or lazy grids.
+
+Pure functions of ``(W, H, config)``; vmappable over a leading expert axis (:func:`solve_experts`).
+
+Algorithm (columns in the solve order ``perm``, see :mod:`jgptq.act_order`):
+
+1. dead columns fixed (:func:`jgptq.damping.fix_dead_columns`); ``U`` = upper factor of the damped inverse
+   Hessian through the damping ladder (:func:`jgptq.damping.inverse_factor`);
+2. columns are visited in blocks of ``block_size``; inside a block,
+   - scalar grids (``format="int"``), one column at a time: ``q = Q(w)``, ``err = (w - q) / U[j, j]``,
+     ``W[:, j:] -= err U[j, j:]`` (restricted to the block); a group's grid is fitted when the solve reaches the
+     group's first column, from the error-updated weights (lazy), or once from the original weight (static);
+   - block codecs (GGML formats), one format block of G columns at a time: ``Q_g = decode(encode(W_g))`` jointly,
+     ``E = (W_g - Q_g) U_gg^-1`` (triangular solve), ``W[:, rest of block] -= E U[g, rest]``; the encoded bytes
+     are kept (re-encoding the decoded weight would not give them back);
+3. after each block, the columns to its right receive the block's errors at once: ``W -= E_block U[block, :]``.
+
+Every loop is a ``lax.fori_loop``, so compile time does not grow with the matrix width. Matrix products run at
+precision HIGHEST (no TF32). Internally the weight is kept transposed (columns contiguous) and padded to a
+whole number of blocks with zero columns and an identity factor, which changes nothing in the real columns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgptq import act_order, damping
+from jgptq.config import QuantConfig
+from jgptq.quantizers import uniform
+
+
+class GPTQResult(NamedTuple):
+    """Result of one GPTQ solve (add a leading expert axis for :func:`solve_experts`).
+
+    Attributes:
+      weight: float32 (R, C), the dequantized weight in the original column order.
+      loss: float32 scalar, the GPTQ objective ``sum_j |w_j - q_j|^2 / U_jj^2 / 2`` (group form for codecs).
+      perm: int32 (C,), the solve order.
+      g_idx: int32 (C,), the grid (group) index of every original column (``format="int"``; zeros for codecs).
+      codes: uint8 (R, C) integer codes in the original column order, or None for codecs.
+      scales: float32 (R, G) grid scales, or None for codecs.
+      zeros: float32 (R, G) grid zero points (integers), or None for codecs.
+      payload: uint8 (R, C // block, type_size) GGML blocks, or None for integer grids.
+      damp_used: float32 scalar, the relative damping that gave the factor (NaN on fallback).
+      damp_stage: int32 scalar, the damping-ladder stage that succeeded (0 = as configured).
+      fallback: bool scalar, no damping gave a factor; the result is round-to-nearest on the same grids.
+      dead_columns: int32 scalar, columns without calibration signal.
+    """
+
+    weight: jax.Array
+    loss: jax.Array
+    perm: jax.Array
+    g_idx: jax.Array
+    codes: Optional[jax.Array]
+    scales: Optional[jax.Array]
+    zeros: Optional[jax.Array]
+    payload: Optional[jax.Array]
+    damp_used: jax.Array
+    damp_stage: jax.Array
+    fallback: jax.Array
+    dead_columns: jax.Array
+
+
+class GroupCodec(NamedTuple):
+    """A codec that encodes a group of ``block_size`` consecutive columns jointly (GGML formats).
+
+    ``encode(w, importance)`` takes float32 (R, block_size) and float32 (block_size,) or None, and returns
+    (payload uint8 (R, type_size), dequantized float32 (R, block_size)). It must be traceable (jit, vmap).
+    """
+
+    encode: object
+    block_size: int
+    type_size: int
+
+
+def ggml_codec(format_name: str) -> GroupCodec:
+    """The :class:`GroupCodec` of a registered GGML format (encode then decode)."""
+    from jgptq.ggml import get_format
+
+    fmt = get_format(format_name)
+    if fmt.encode is None or fmt.decode is None:
+        raise ValueError(f"GGML format {fmt.name!r} has no encoder in jgptq yet")
+
+    def encode_group(w, importance):
+        payload = fmt.encode(w, importance)
+        return payload, fmt.decode(payload)
+
+    return GroupCodec(encode_group, fmt.block_size, fmt.type_size)
+
+
+class _Plan(NamedTuple):
+    block: int        # columns per block (a multiple of the group/format block)
+    group: int        # columns per inner step: grid group (lazy), format block (codec), or the block itself
+    padded: int       # padded width, a multiple of ``block``
+    num_groups: int   # rows of the grid table (padded groups included)
+    lazy: bool        # grids fitted during the solve
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _plan(num_columns: int, config: QuantConfig, codec: Optional[GroupCodec]) -> _Plan:
+    if codec is not None:
+        g = codec.block_size
+        block = _ceil_to(config.block_size, g)
+        padded = _ceil_to(num_columns, block)
+        return _Plan(block, g, padded, padded // g, False)
+    lazy = not act_order.uses_precomputed_grids(config)
+    if config.group_size == -1:
+        block = config.block_size
+        padded = _ceil_to(num_columns, block)
+        return _Plan(block, block, padded, 1, False)
+    gs = config.group_size
+    block = _ceil_to(config.block_size, gs)
+    padded = _ceil_to(num_columns, block)
+    return _Plan(block, gs if lazy else block, padded, padded // gs, lazy)
+
+
+def _solve(weight: jax.Array, hessian: jax.Array, importance: Optional[jax.Array], config: QuantConfig,
+           codec: Optional[GroupCodec] = None) -> GPTQResult:
+    """Unchecked solve of one weight (R, C) against its Hessian (C, C); see :func:`solve`."""
+    if codec is None and config.is_ggml:
+        codec = ggml_codec(config.format)
+    with jax.default_matmul_precision("highest"):
+        return _solve_highest(weight, hessian, importance, config, codec)
+
+
+def _solve_highest(weight, hessian, importance, config, codec):
+    rows, cols = weight.shape
+    plan = _plan(cols, config, codec)
+    w = weight.astype(jnp.float32)
+    h, w, dead = damping.fix_dead_columns(hessian.astype(jnp.float32), w, config.zero_dead_columns)
+
+    perm = act_order.column_order(jnp.diagonal(h), config)
+    inv = damping.inverse_factor(h[perm][:, perm], config.damp)
+    pad = plan.padded - cols
+    upper = inv.upper
+    if pad:
+        upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
+            jnp.concatenate([jnp.zeros(cols, jnp.float32), jnp.ones(pad, jnp.float32)]))
+    perm_p = jnp.concatenate([perm, jnp.arange(cols, plan.padded, dtype=jnp.int32)])
+    # Transposed, permuted, padded working copy: row i of ``wt`` is the i-th column to solve.
+    wt = jnp.pad(w[:, perm].T, ((0, pad), (0, 0)))
+
+    if codec is not None:
+        type_size = codec.type_size
+        if importance is not None:
+            importance = jnp.pad(importance.astype(jnp.float32)[perm], (0, pad), constant_values=1.0)
+        payload_t = jnp.zeros((plan.num_groups, rows, type_size), jnp.uint8)
+        state_extra = payload_t
+        gid = jnp.zeros(plan.padded, jnp.int32)
+    else:
+        gid = act_order.solve_group_ids(perm_p, config)
+        if plan.lazy:
+            scale_t = jnp.ones((plan.num_groups, rows), jnp.float32)
+            zero_t = jnp.zeros((plan.num_groups, rows), jnp.float32)
+        else:
+            # Grids fitted once from the original (dead-column-fixed) weight, in original column order.
+            w_orig = jnp.pad(w, ((0, 0), (0, pad)))
+            grid = uniform.fit_groups(w_orig, config) if config.group_size != -1 else uniform.Grid(
+                *(a[:, None] for a in uniform.fit(w, config)))
+            scale_t, zero_t = grid.scale.T, grid.zero.T
+        state_extra = (scale_t, zero_t, jnp.zeros((plan.padded, rows), jnp.uint8))
+
+    maxq = config.maxq
+    block, group = plan.block, plan.group
+
+    def column_steps(k, carry, b0):
+        """All columns of the k-th inner group of the block starting at b0 (scalar grids)."""
+        wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t) = carry
+        g0 = k * group
+        if plan.lazy:
+            fitted = uniform.fit(jax.lax.dynamic_slice_in_dim(wb, g0, group, axis=0).T, config)
+            gi = gid[b0 + g0]
+            scale_t = jax.lax.dynamic_update_slice_in_dim(scale_t, fitted.scale[None], gi, axis=0)
+            zero_t = jax.lax.dynamic_update_slice_in_dim(zero_t, fitted.zero[None], gi, axis=0)
+
+        def one(j, c2):
+            wb, qb, eb, loss, codes_t = c2
+            c = g0 + j
+            col = wb[c]
+            gi = gid[b0 + c]
+            s, z = scale_t[gi], zero_t[gi]
+            q = uniform.quantize(col, s, z, maxq)
+            dq = uniform.dequantize(q, s, z)
+            err = (col - dq) / ub[c, c]
+            wb = wb - ub[c][:, None] * err[None, :]
+            qb = qb.at[c].set(dq)
+            eb = eb.at[c].set(err)
+            codes_t = codes_t.at[b0 + c].set(q.astype(jnp.uint8))
+            return wb, qb, eb, loss + jnp.sum(err * err), codes_t
+
+        wb, qb, eb, loss, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, loss, codes_t))
+        return wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t)
+
+    def group_step(k, carry, b0):
+        """The k-th format block of the block starting at b0, encoded jointly (codecs)."""
+        wb, qb, eb, ub, loss, payload_t = carry
+        g0 = k * group
+        wg = jax.lax.dynamic_slice_in_dim(wb, g0, group, axis=0)             # (G, R)
+        imp = None if importance is None else jax.lax.dynamic_slice_in_dim(importance, b0 + g0, group)
+        payload, dq = codec.encode(wg.T, imp)                                       # (R, bytes), (R, G)
+        ugg = jax.lax.dynamic_slice(ub, (g0, g0), (group, group))
+        et = jax.scipy.linalg.solve_triangular(ugg, wg - dq.T, trans="T", lower=False)
+        wb = wb - jax.lax.dynamic_slice_in_dim(ub, g0, group, axis=0).T @ et
+        qb = jax.lax.dynamic_update_slice_in_dim(qb, dq.T, g0, axis=0)
+        eb = jax.lax.dynamic_update_slice_in_dim(eb, et, g0, axis=0)
+        payload_t = jax.lax.dynamic_update_slice_in_dim(payload_t, payload[None], (b0 + g0) // group, axis=0)
+        return wb, qb, eb, ub, loss + jnp.sum(et * et), payload_t
+
+    step = group_step if codec is not None else column_steps
+
+    def block_step(b, carry):
+        wt, qt, loss, extra = carry
+        b0 = b * block
+        wb = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)
+        ub = jax.lax.dynamic_slice(upper, (b0, b0), (block, block))
+        zeros = jnp.zeros_like(wb)
+        wb, qb, eb, _, loss, extra = jax.lax.fori_loop(
+            0, block // group, functools.partial(_with_b0, step, b0), (wb, zeros, zeros, ub, loss, extra))
+        # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
+        wt = wt - jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ eb
+        qt = jax.lax.dynamic_update_slice_in_dim(qt, qb, b0, axis=0)
+        return wt, qt, loss, extra
+
+    qt0 = jnp.zeros_like(wt)
+    _, qt, loss, extra = jax.lax.fori_loop(0, plan.padded // block, block_step,
+                                           (wt, qt0, jnp.zeros((), jnp.float32), state_extra))
+
+    inv_perm = jnp.argsort(perm).astype(jnp.int32)
+    weight_q = qt[:cols].T[:, inv_perm]
+    codes = scales = zeros = payload = None
+    if codec is not None:
+        payload = extra.transpose(1, 0, 2)[:, : cols // group]
+        g_idx = jnp.zeros(cols, jnp.int32)
+    else:
+        scale_t, zero_t, codes_t = extra
+        codes = codes_t[:cols].T[:, inv_perm]
+        n_real = 1 if config.group_size == -1 else cols // config.group_size
+        scales, zeros = scale_t[:n_real].T, zero_t[:n_real].T
+        g_idx = gid[:cols][inv_perm]
+    return GPTQResult(
+        weight=weight_q, loss=loss / 2, perm=perm, g_idx=g_idx, codes=codes, scales=scales, zeros=zeros,
+        payload=payload, damp_used=inv.damp_used, damp_stage=inv.stage, fallback=inv.fallback,
+        dead_columns=jnp.sum(dead, dtype=jnp.int32))
+
+
+def _with_b0(step, b0, k, carry):
+    return step(k, carry, b0)
+
+
+_solve_jit = jax.jit(_solve, static_argnames=("config", "codec"))
+
+
+def _check_inputs(weight, hessian, importance, config: QuantConfig, name: str, batched: bool):
+    lead = 1 if batched else 0
+    if weight.ndim != 2 + lead:
+        raise ValueError(f"{name}: weight must be {'3-D (experts, out, in)' if batched else '2-D (out, in)'}, "
+                         f"got shape {tuple(weight.shape)}")
+    cols = weight.shape[-1]
+    if hessian.shape[-2:] != (cols, cols) or hessian.ndim not in (2, 2 + lead):
+        raise ValueError(f"{name}: Hessian of shape {tuple(hessian.shape)} does not match a weight with {cols} "
+                         f"input columns (expected ({cols}, {cols}){' or (experts, C, C)' if batched else ''})")
+    if batched and hessian.ndim == 3 and hessian.shape[0] != weight.shape[0]:
+        raise ValueError(f"{name}: {hessian.shape[0]} Hessians for {weight.shape[0]} experts")
+    if config.is_ggml:
+        from jgptq.ggml import get_format
+
+        fmt = get_format(config.format)
+        if cols % fmt.block_size:
+            raise ValueError(f"{name}: {cols} input columns are not a multiple of the {fmt.name} block size "
+                             f"{fmt.block_size}")
+        if fmt.requires_importance and importance is None:
+            raise ValueError(f"{name}: format {fmt.name} needs importance weights (an imatrix or the Hessian "
+                             f"diagonal)")
+    elif config.group_size != -1 and cols % config.group_size:
+        raise ValueError(f"{name}: {cols} input columns are not a multiple of group_size {config.group_size}")
+    if importance is not None and importance.shape[-1] != cols:
+        raise ValueError(f"{name}: importance of shape {tuple(importance.shape)} does not match {cols} columns")
+    for what, arr in (("weight", weight), ("Hessian", hessian), ("importance", importance)):
+        if arr is not None and not bool(jnp.isfinite(arr).all()):
+            raise ValueError(f"{name}: {what} contains NaN or Inf")
+
+
+def solve(weight, hessian, config: QuantConfig = QuantConfig(), *, importance=None, name: str = "weight",
+          check: bool = True, codec: Optional[GroupCodec] = None) -> GPTQResult:
+    """GPTQ-quantizes one weight matrix.
+
+    Args:
+      weight: float (R, C) = (out_features, in_features).
+      hessian: float32 (C, C), e.g. :func:`jgptq.hessian.finalize` of its inputs (any positive scale).
+      config: a :class:`QuantConfig`.
+      importance: float32 (C,) per-column importance for GGML encoders (None: the format's plain path).
+      name: what the weight is, for error messages.
+      check: validate shapes and finiteness first (one device sync).
+      codec: a custom :class:`GroupCodec` solved with group updates (default: the GGML format's codec when
+        ``config.format`` is a GGML format, else scalar-grid column updates).
+    Returns:
+      A :class:`GPTQResult`.
+    """
+    weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
+    importance = None if importance is None else jnp.asarray(importance)
+    if check:
+        _check_inputs(weight, hessian, importance, config, name, batched=False)
+    return _solve_jit(weight, hessian, importance, config, codec)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tied"))
+def _solve_experts_jit(weights, hessians, importance, config, tied):
+    h_axis = None if tied else 0
+    i_axis = None if importance is None or importance.ndim == 1 else 0
+    return jax.vmap(lambda w, h, i: _solve(w, h, i, config), in_axes=(0, h_axis, i_axis))(
+        weights, hessians, importance)
+
+
+def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, importance=None,
+                  name: str = "experts", check: bool = True) -> GPTQResult:
+    """GPTQ-quantizes a stack of same-shape weights in one vmapped call.
+
+    Args:
+      weights: float (E, R, C).
+      hessians: float32 (E, C, C), or (C, C) shared by every expert (tied: one factorization for all).
+      config: a :class:`QuantConfig`.
+      importance: None, (C,) shared, or (E, C).
+    Returns:
+      A :class:`GPTQResult` whose every field has a leading expert axis E.
+    """
+    weights, hessians = jnp.asarray(weights), jnp.asarray(hessians)
+    importance = None if importance is None else jnp.asarray(importance)
+    if check:
+        _check_inputs(weights, hessians, importance, config, name, batched=True)
+    return _solve_experts_jit(weights, hessians, importance, config, hessians.ndim == 2)
+
+
+def weighted_error(weight, quantized, hessian) -> jax.Array:
+    """Output-space error ``trace((Wq - W) H (Wq - W)^T)`` (float32 scalar; = ||(Wq - W) X^T||^2 * 2/N)."""
+    with jax.default_matmul_precision("highest"):
+        d = jnp.asarray(quantized, jnp.float32) - jnp.asarray(weight, jnp.float32)
+        return jnp.sum((d @ jnp.asarray(hessian, jnp.float32)) * d)
+
+
+def summarize(result: GPTQResult) -> dict:
+    """Plain-Python figures of a (possibly batched) result: loss, damping, fallbacks, dead columns."""
+    loss = np.asarray(result.loss)
+    return {
+        "loss": loss.tolist(),
+        "damp_used": np.asarray(result.damp_used).tolist(),
+        "damp_stage": np.asarray(result.damp_stage).tolist(),
+        "fallback": np.asarray(result.fallback).tolist(),
+        "dead_columns": np.asarray(result.dead_columns).tolist(),
+    }

@@ -1,0 +1,185 @@
+"""The GPTQ Hessian statistic: a float32 sum of X^T X plus a token count.
+
+The state is kept unnormalized (``hessian_sum = sum_t x_t x_t^T``, ``token_count = N``) so that partial sums from
+any number of batches or devices add exactly; :func:`finalize` applies the ``2 / N`` factor once at the end.
+
+- :func:`init` makes an empty state; :func:`accumulate` adds a batch in place (the sum is a donated argument:
+  XLA writes the result into the same buffer, no transient of the Hessian's size). Inputs may be float32 (exact
+  float32 GEMM at precision HIGHEST, never TF32) or bfloat16 operands with float32 accumulation.
+- :class:`DevicePartials` keeps one state per device for activations that live on different devices, and merges
+  them onto one device in a fixed order, freeing each partial as it is added (peak = result + one partial).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INPUT_DTYPES = ("float32", "bfloat16")
+
+
+class HessianState(NamedTuple):
+    """Unnormalized Hessian statistic of one input space.
+
+    Attributes:
+      hessian_sum: float32 (C, C), sum over tokens of x x^T.
+      token_count: int32 scalar, the number of tokens summed.
+    """
+
+    hessian_sum: jax.Array
+    token_count: jax.Array
+
+
+def init(num_columns: int, device=None) -> HessianState:
+    """An empty state for inputs with ``num_columns`` features, optionally placed on ``device``."""
+    if num_columns < 1:
+        raise ValueError(f"num_columns must be positive, got {num_columns}")
+    h = jnp.zeros((num_columns, num_columns), jnp.float32)
+    n = jnp.zeros((), jnp.int32)
+    if device is not None:
+        h, n = jax.device_put(h, device), jax.device_put(n, device)
+    return HessianState(h, n)
+
+
+def _xtx(x: jax.Array, input_dtype: str) -> jax.Array:
+    if input_dtype == "bfloat16":
+        x = x.astype(jnp.bfloat16)
+        return jax.lax.dot_general(x, x, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    x = x.astype(jnp.float32)
+    return jax.lax.dot_general(x, x, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,))
+def _accumulate(state: HessianState, x: jax.Array, mask: Optional[jax.Array], input_dtype: str) -> HessianState:
+    x = x.reshape(-1, x.shape[-1])
+    if mask is None:
+        count = jnp.int32(x.shape[0])
+    else:
+        keep = mask.reshape(-1).astype(bool)
+        x = jnp.where(keep[:, None], x, jnp.zeros((), x.dtype))
+        count = jnp.sum(keep, dtype=jnp.int32)
+    return HessianState(state.hessian_sum + _xtx(x, input_dtype), state.token_count + count)
+
+
+def _check_batch(state: HessianState, x, mask, input_dtype: str, name: str):
+    if input_dtype not in INPUT_DTYPES:
+        raise ValueError(f"input_dtype must be one of {INPUT_DTYPES}, got {input_dtype!r}")
+    c = state.hessian_sum.shape[-1]
+    if x.ndim < 1 or x.shape[-1] != c:
+        raise ValueError(f"{name}: activations of shape {tuple(x.shape)} do not match a Hessian of {c} columns")
+    if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{name}: mask of shape {tuple(mask.shape)} does not match activations "
+                         f"{tuple(x.shape)} (expected {tuple(x.shape[:-1])})")
+
+
+def accumulate(state: HessianState, x, mask=None, *, input_dtype: str = "float32", check_finite: bool = True,
+               name: str = "activations") -> HessianState:
+    """Adds a batch of activations to the statistic; the old state's buffers are donated (do not reuse them).
+
+    Args:
+      state: the running :class:`HessianState` (C, C).
+      x: activations (..., C), any float dtype; leading axes are flattened into tokens.
+      mask: optional (...) boolean/0-1 array; tokens where it is false (padding) are excluded from sum and count.
+      input_dtype: ``"float32"`` (float32 GEMM at HIGHEST precision) or ``"bfloat16"`` (bf16 operands, float32
+        accumulation).
+      check_finite: raise on NaN/Inf activations (costs one reduction; the pipeline turns it off when it checks
+        upstream).
+      name: what the activations are, for error messages.
+    Returns:
+      The new state. A batch with zero tokens returns ``state`` unchanged.
+    """
+    _check_batch(state, x, mask, input_dtype, name)
+    if int(np.prod(x.shape[:-1])) == 0:
+        return state
+    x = jnp.asarray(x)
+    if check_finite and not bool(jnp.isfinite(x).all()):
+        raise ValueError(f"{name}: activations contain NaN or Inf")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+    return _accumulate(state, x, mask, input_dtype)
+
+
+@jax.jit
+def _finalize(state: HessianState) -> jax.Array:
+    n = jnp.maximum(state.token_count, 1).astype(jnp.float32)
+    return state.hessian_sum * (2.0 / n)
+
+
+def finalize(state: HessianState) -> jax.Array:
+    """The GPTQ Hessian ``2 / N * sum x x^T`` (float32 (C, C)); all zeros when no token was seen."""
+    return _finalize(state)
+
+
+def from_activations(x, mask=None, *, input_dtype: str = "float32") -> HessianState:
+    """A state holding exactly the tokens of ``x`` (..., C): a convenience for tests and one-shot use."""
+    return accumulate(init(x.shape[-1]), x, mask, input_dtype=input_dtype)
+
+
+@jax.jit
+def _add(a: HessianState, b: HessianState) -> HessianState:
+    return HessianState(a.hessian_sum + b.hessian_sum, a.token_count + b.token_count)
+
+
+_add_donated = jax.jit(_add.__wrapped__, donate_argnums=(0,))
+
+
+def _device_of(x):
+    devices = getattr(x, "devices", None)
+    if devices is None:
+        return jax.devices()[0]
+    ds = devices()
+    if len(ds) != 1:
+        raise ValueError("activations sharded over several devices: pass per-device shards separately")
+    return next(iter(ds))
+
+
+class DevicePartials:
+    """One Hessian state per device, for activations that live on different devices.
+
+    Each batch is accumulated on the device that holds it (no transfer of activations). :meth:`merge` reduces
+    the partials onto one target device in a fixed order (by device id), deleting each partial once it has been
+    added, so that the peak on the target is the result plus one partial. The same tokens give the same bytes
+    whatever their split over devices only up to float32 summation order; the order is fixed, so a given split
+    always gives the same bytes.
+    """
+
+    def __init__(self, num_columns: int, *, input_dtype: str = "float32"):
+        if input_dtype not in INPUT_DTYPES:
+            raise ValueError(f"input_dtype must be one of {INPUT_DTYPES}, got {input_dtype!r}")
+        self.num_columns = int(num_columns)
+        self.input_dtype = input_dtype
+        self._partials: dict = {}
+
+    @property
+    def devices(self) -> list:
+        return sorted(self._partials, key=lambda d: (d.platform, d.id))
+
+    def accumulate(self, x, mask=None, *, name: str = "activations"):
+        """Adds a batch on the device that holds ``x``."""
+        dev = _device_of(x)
+        state = self._partials.get(dev)
+        if state is None:
+            state = init(self.num_columns, dev)
+        self._partials[dev] = accumulate(state, x, mask, input_dtype=self.input_dtype, name=name)
+
+    def merge(self, device=None) -> HessianState:
+        """Sums every partial onto ``device`` (default: the first device in id order) and empties this object."""
+        if not self._partials:
+            return init(self.num_columns, device)
+        order = self.devices
+        target = device if device is not None else order[0]
+        result = None
+        for dev in order:
+            part = self._partials.pop(dev)
+            part = jax.device_put(part, target)
+            if result is None:
+                result = part
+            else:
+                result = _add_donated(result, part)
+                jax.tree.map(lambda a: a.delete(), part)
+        return result

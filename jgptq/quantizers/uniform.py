@@ -1,0 +1,124 @@
+"""Uniform integer grids: per-row scale and zero point over a group of columns.
+
+A grid maps a weight ``w`` to a code ``q = clamp(round(w / scale) + zero, 0, maxq)`` and back to
+``scale * (q - zero)``; rounding is half-to-even. Ranges always include 0 (so a zero weight stays exactly zero).
+
+- Symmetric: ``xmax = max(|min|, max)``, ``xmin = -xmax`` when the group has a negative value (a group of only
+  non-negative values keeps ``xmin = 0``, as the reference GPTQ quantizer does), ``zero = (maxq + 1) / 2``.
+- Asymmetric: ``zero = round(-xmin / scale)``.
+- A row whose range is empty (all zeros) gets the range [-1, 1].
+- Optional MSE clip search: shrink the range by ``p = 1 - i / grid`` for ``i < maxshrink * grid`` and keep, per
+  row, the factor with the smallest ``sum |dequant - w| ** norm`` (first minimum wins).
+
+All functions are pure jnp and vmappable; shapes are (R, n) with rows as output channels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jgptq.config import QuantConfig
+
+
+class Grid(NamedTuple):
+    """Per-row grid parameters: ``scale`` and ``zero``, float32 (R,) (``zero`` holds integers)."""
+
+    scale: jax.Array
+    zero: jax.Array
+
+
+def _range(w: jax.Array, sym: bool):
+    zeros = jnp.zeros(w.shape[:-1], w.dtype)
+    xmin = jnp.minimum(w.min(axis=-1), zeros)
+    xmax = jnp.maximum(w.max(axis=-1), zeros)
+    if sym:
+        xmax = jnp.maximum(jnp.abs(xmin), xmax)
+        xmin = jnp.where(xmin < 0, -xmax, xmin)
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = jnp.where(empty, -1.0, xmin)
+    xmax = jnp.where(empty, 1.0, xmax)
+    return xmin, xmax
+
+
+def _grid_from_range(xmin, xmax, maxq: int, sym: bool) -> Grid:
+    scale = (xmax - xmin) / maxq
+    if sym:
+        zero = jnp.full_like(scale, (maxq + 1) / 2)
+    else:
+        zero = jnp.round(-xmin / scale)
+    return Grid(scale, zero)
+
+
+def quantize(w: jax.Array, scale: jax.Array, zero: jax.Array, maxq: int) -> jax.Array:
+    """Integer codes (float32 holding integers) of ``w`` on the grid; scale/zero broadcast against ``w``."""
+    return jnp.clip(jnp.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
+    """Float32 values of codes ``q`` on the grid."""
+    return scale * (q - zero)
+
+
+def fake_quantize(w, scale, zero, maxq: int):
+    """``dequantize(quantize(w))``."""
+    return dequantize(quantize(w, scale, zero, maxq), scale, zero)
+
+
+def fit(w: jax.Array, config: QuantConfig) -> Grid:
+    """Fits one grid per row of ``w`` (R, n) (float32) by min/max, then by the MSE clip search if enabled."""
+    w = w.astype(jnp.float32)
+    maxq, sym = config.maxq, config.sym
+    xmin, xmax = _range(w, sym)
+    grid = _grid_from_range(xmin, xmax, maxq, sym)
+    if config.mse <= 0:
+        return grid
+    norm = float(config.mse)
+    steps = int(config.mse_maxshrink * config.mse_grid)
+
+    def body(i, carry):
+        best, scale, zero = carry
+        p = 1.0 - i.astype(jnp.float32) / config.mse_grid
+        cand = _grid_from_range(p * xmin, p * xmax, maxq, sym)
+        err = jnp.sum(jnp.abs(fake_quantize(w, cand.scale[..., None], cand.zero[..., None], maxq) - w) ** norm,
+                      axis=-1)
+        better = err < best
+        return (jnp.where(better, err, best), jnp.where(better, cand.scale, scale),
+                jnp.where(better, cand.zero, zero))
+
+    best0 = jnp.full(xmin.shape, jnp.inf, jnp.float32)
+    _, scale, zero = jax.lax.fori_loop(0, steps, body, (best0, grid.scale, grid.zero))
+    return Grid(scale, zero)
+
+
+def fit_groups(w: jax.Array, config: QuantConfig) -> Grid:
+    """Grids for every group of ``group_size`` consecutive columns of ``w`` (R, C) -> scale, zero (R, G).
+
+    ``group_size = -1`` gives one grid per row (G = 1).
+    """
+    r, c = w.shape
+    gs = c if config.group_size == -1 else config.group_size
+    if c % gs:
+        raise ValueError(f"weight of {c} columns is not a multiple of group_size {gs}")
+    groups = w.reshape(r, c // gs, gs).transpose(1, 0, 2)  # (G, R, gs)
+    grid = jax.vmap(lambda g: fit(g, config))(groups)
+    return Grid(grid.scale.T, grid.zero.T)
+
+
+def round_to_nearest(w: jax.Array, config: QuantConfig):
+    """Round-to-nearest baseline: grids from ``w`` itself, no error feedback.
+
+    Args:
+      w: float32 (R, C).
+    Returns:
+      (codes uint8 (R, C), grid with scale/zero (R, G), dequantized float32 (R, C)).
+    """
+    r, c = w.shape
+    grid = fit_groups(w, config)
+    gs = c if config.group_size == -1 else config.group_size
+    scale = jnp.repeat(grid.scale, gs, axis=1)
+    zero = jnp.repeat(grid.zero, gs, axis=1)
+    q = quantize(w, scale, zero, config.maxq)
+    return q.astype(jnp.uint8), grid, dequantize(q, scale, zero)
