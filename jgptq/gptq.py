@@ -182,7 +182,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
             zero_t = jax.lax.dynamic_update_slice_in_dim(zero_t, fitted.zero[None], gi, axis=0)
 
         def one(j, c2):
-            wb, qb, eb, loss, codes_t = c2
+            wb, qb, eb, codes_t = c2
             c = g0 + j
             col = wb[c]
             gi = gid[b0 + c]
@@ -194,9 +194,9 @@ def _solve_highest(weight, hessian, importance, config, codec):
             qb = qb.at[c].set(dq)
             eb = eb.at[c].set(err)
             codes_t = codes_t.at[b0 + c].set(q.astype(jnp.uint8))
-            return wb, qb, eb, loss + jnp.sum(err * err), codes_t
+            return wb, qb, eb, codes_t
 
-        wb, qb, eb, loss, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, loss, codes_t))
+        wb, qb, eb, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, codes_t), unroll=_COLUMN_UNROLL)
         return wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t)
 
     def group_step(k, carry, b0):
@@ -212,7 +212,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
         qb = jax.lax.dynamic_update_slice_in_dim(qb, dq.T, g0, axis=0)
         eb = jax.lax.dynamic_update_slice_in_dim(eb, et, g0, axis=0)
         payload_t = jax.lax.dynamic_update_slice_in_dim(payload_t, payload[None], (b0 + g0) // group, axis=0)
-        return wb, qb, eb, ub, loss + jnp.sum(et * et), payload_t
+        return wb, qb, eb, ub, loss, payload_t
 
     step = group_step if codec is not None else column_steps
 
@@ -224,6 +224,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
         zeros = jnp.zeros_like(wb)
         wb, qb, eb, _, loss, extra = jax.lax.fori_loop(
             0, block // group, functools.partial(_with_b0, step, b0), (wb, zeros, zeros, ub, loss, extra))
+        loss = loss + jnp.sum(eb * eb)
         # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
         wt = wt - jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ eb
         qt = jax.lax.dynamic_update_slice_in_dim(qt, qb, b0, axis=0)
@@ -254,6 +255,11 @@ def _solve_highest(weight, hessian, importance, config, codec):
 def _with_b0(step, b0, k, carry):
     return step(k, carry, b0)
 
+
+# Column steps per loop iteration. Each loop iteration costs the GPU a round of control overhead; unrolling 4
+# steps took a 4096 x 4096 solve on an H200 from 58 to 45 ms (8 and 16 gave no more), and the compiled program
+# still does not grow with the width.
+_COLUMN_UNROLL = 4
 
 _solve_jit = jax.jit(_solve, static_argnames=("config", "codec"))
 
