@@ -54,7 +54,8 @@ def run_case(name, rows, cols, experts, tokens, bits, group, sym, repeat, rng):
     from jgptq import hessian as hs
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = QuantConfig(bits=bits, group_size=group, sym=sym, block_size=128)
+    # float32 scales: the textbook loop keeps float32 scales too
+    cfg = QuantConfig(bits=bits, group_size=group, sym=sym, block_size=128, scale_dtype="float32")
     ws, hs_list = [], []
     for _ in range(experts):
         w, x = _problem(rng, rows, cols, tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _fail(field: str, value, rule: str):
@@ -38,6 +39,9 @@ class QuantConfig:
       mse_grid, mse_maxshrink: the clip search tries ``1 - i / mse_grid`` for ``i < mse_maxshrink * mse_grid``.
       zero_dead_columns: columns whose Hessian diagonal is zero (no calibration input) are set to zero in W, as
         the reference implementations do; False keeps them (they are then rounded to nearest).
+      scale_dtype: the dtype grid scales are stored in by exporters (GPTQ checkpoints store float16, compressed
+        tensors the model dtype). Scales are rounded to it when fitted, so the solve already works with the
+        stored values and exported files decode to exactly the solver's weights. ``"float32"`` keeps full scales.
     """
 
     format: str = "int"
@@ -52,6 +56,7 @@ class QuantConfig:
     mse_grid: int = 100
     mse_maxshrink: float = 0.8
     zero_dead_columns: bool = True
+    scale_dtype: str = "float16"
 
     def __post_init__(self):
         if not isinstance(self.format, str) or not self.format:
@@ -81,6 +86,8 @@ class QuantConfig:
             _fail("mse", self.mse, "must be 0 (off) or a positive norm exponent")
         if not isinstance(self.mse_grid, int) or self.mse_grid < 1:
             _fail("mse_grid", self.mse_grid, "must be a positive integer")
+        if self.scale_dtype not in SCALE_DTYPES:
+            _fail("scale_dtype", self.scale_dtype, f"must be one of {SCALE_DTYPES}")
         if not 0.0 < float(self.mse_maxshrink) < 1.0:
             _fail("mse_maxshrink", self.mse_maxshrink, "must lie in (0, 1)")
 

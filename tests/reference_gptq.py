@@ -12,8 +12,19 @@ from __future__ import annotations
 import numpy as np
 
 
-def grid_fit(w, bits, sym, mse=0.0, grid=100, maxshrink=0.8):
-    """Per-row (scale, zero) of w (R, n), float64."""
+def storable(scale, scale_dtype):
+    """Scales rounded to their storage dtype (computed in float32 first, as the solver does)."""
+    if scale_dtype == "float32":
+        return scale
+    import ml_dtypes
+
+    dt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[scale_dtype]
+    tiny = float(ml_dtypes.finfo(dt).smallest_subnormal)
+    return np.maximum(scale.astype(np.float32).astype(dt).astype(np.float64), tiny)
+
+
+def grid_fit(w, bits, sym, mse=0.0, grid=100, maxshrink=0.8, scale_dtype="float32"):
+    """Per-row (scale, zero) of w (R, n), float64 (scales rounded to ``scale_dtype``)."""
     maxq = 2 ** bits - 1
     xmin = np.minimum(w.min(axis=1), 0.0)
     xmax = np.maximum(w.max(axis=1), 0.0)
@@ -25,7 +36,11 @@ def grid_fit(w, bits, sym, mse=0.0, grid=100, maxshrink=0.8):
     xmax = np.where(empty, 1.0, xmax)
 
     def params(lo, hi):
-        scale = (hi - lo) / maxq
+        if scale_dtype == "float32":
+            scale = (hi - lo) / maxq
+        else:  # the storage rounding is only reproducible from the same float32 arithmetic
+            f32 = np.float32
+            scale = storable((hi.astype(f32) - lo.astype(f32)) * f32(1.0 / maxq), scale_dtype)
         zero = np.full_like(scale, (maxq + 1) / 2) if sym else np.round(-lo / scale)
         return scale, zero
 
@@ -73,7 +88,7 @@ def column_order(diag, act_order, group_size):
 
 
 def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups=False, damp=0.01, mse=0.0,
-         tie_codes=None):
+         tie_codes=None, scale_dtype="float32"):
     """Returns dict(codes (R, C), weight (R, C), scales (R, G), zeros (R, G), g_idx (C,), perm, loss, ties).
 
     ``tie_codes`` (R, C) in original column order: codes to follow where a weight sits on a rounding tie (float32
@@ -93,7 +108,7 @@ def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups
     zeros = np.zeros((r, n_groups))
     if precomputed:
         for g in range(n_groups):
-            scales[:, g], zeros[:, g] = grid_fit(W[:, g * gs:(g + 1) * gs], bits, sym, mse)
+            scales[:, g], zeros[:, g] = grid_fit(W[:, g * gs:(g + 1) * gs], bits, sym, mse, scale_dtype=scale_dtype)
         gid = perm // gs
     elif act_order == "desc":
         gid = np.arange(c) // gs
@@ -110,7 +125,7 @@ def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups
     tie_p = None if tie_codes is None else np.asarray(tie_codes, np.float64)[:, perm]
     for i in range(c):
         if not precomputed and i % gs == 0:
-            scales[:, gid[i]], zeros[:, gid[i]] = grid_fit(Wp[:, i:i + gs], bits, sym, mse)
+            scales[:, gid[i]], zeros[:, gid[i]] = grid_fit(Wp[:, i:i + gs], bits, sym, mse, scale_dtype=scale_dtype)
         w = Wp[:, i]
         q, dq, taken = quant(w, scales[:, gid[i]], zeros[:, gid[i]], bits,
                              None if tie_p is None else tie_p[:, i])

@@ -23,7 +23,7 @@ def check_against_reference(w, h, cfg):
     res = gptq.solve(w, h, cfg)
     codes = np.asarray(res.codes)
     r = ref.gptq(w, h, cfg.bits, cfg.group_size, cfg.sym, cfg.act_order, cfg.static_groups, cfg.damp, cfg.mse,
-                 tie_codes=codes)
+                 tie_codes=codes, scale_dtype=cfg.scale_dtype)
     # identical codes; where float32 and float64 disagree on an exact rounding tie the reference follows ours
     assert np.array_equal(codes, r["codes"])
     assert r["ties"] <= max(3, codes.size // 1000)
@@ -46,20 +46,31 @@ COMBOS = [
 @pytest.mark.parametrize("opts", COMBOS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_solver_equals_float64_textbook(rng, opts):
     w, h, _ = problem(rng)
-    check_against_reference(w, h, QuantConfig(bits=4, block_size=32, **opts))
+    check_against_reference(w, h, QuantConfig(bits=4, block_size=32, scale_dtype="float32", **opts))
+
+
+@pytest.mark.parametrize("opts", [dict(static_groups=True, group_size=32, scale_dtype="float16"),
+                                  dict(group_size=-1, sym=False, scale_dtype="bfloat16", act_order="desc")])
+def test_storage_rounded_scales_equal_textbook(rng, opts):
+    """Grids fitted once from the original weight: the float16/bfloat16 scales are the stored ones exactly."""
+    w, h, _ = problem(rng)
+    res = check_against_reference(w, h, QuantConfig(bits=4, block_size=32, **opts))
+    dt = np.float16 if opts["scale_dtype"] == "float16" else jnp.bfloat16
+    assert np.array_equal(np.asarray(res.scales).astype(dt).astype(np.float32), np.asarray(res.scales))
 
 
 @pytest.mark.parametrize("opts", [dict(bits=3, mse=2.4, sym=False), dict(bits=2, mse=2.4, sym=True),
-                                  dict(bits=8, act_order="desc"), dict(bits=4, mse=2.4, act_order="group_aware")])
+                                  dict(bits=8, act_order="desc", scale_dtype="float32"),
+                                  dict(bits=4, mse=2.4, act_order="group_aware", scale_dtype="bfloat16")])
 def test_solver_equals_textbook_bits_and_mse(rng, opts):
     w, h, _ = problem(rng, rows=32, cols=64)
-    check_against_reference(w, h, QuantConfig(group_size=16, block_size=32, **opts))
+    check_against_reference(w, h, QuantConfig(group_size=16, block_size=32, **{"scale_dtype": "float32", **opts}))
 
 
 def test_width_not_a_multiple_of_the_block_is_padded_exactly(rng):
     w, h, _ = problem(rng, rows=24, cols=96)
-    check_against_reference(w, h, QuantConfig(group_size=32, block_size=64, act_order="desc"))
-    check_against_reference(w, h, QuantConfig(group_size=-1, block_size=64, sym=False))
+    check_against_reference(w, h, QuantConfig(group_size=32, block_size=64, act_order="desc", scale_dtype="float32"))
+    check_against_reference(w, h, QuantConfig(group_size=-1, block_size=64, sym=False, scale_dtype="float32"))
 
 
 def test_block_size_does_not_change_the_result(rng):

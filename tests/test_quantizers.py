@@ -13,7 +13,7 @@ def test_grid_fit_and_codes_match_float64(rng, bits, sym):
     w = rng.standard_normal((32, 64)).astype(np.float32) * np.exp(rng.uniform(-2, 2, (32, 1))).astype(np.float32)
     w[3] = np.abs(w[3])  # all non-negative row
     w[5] = 0.0  # empty range
-    cfg = QuantConfig(bits=bits, sym=sym, group_size=16)
+    cfg = QuantConfig(bits=bits, sym=sym, group_size=16, scale_dtype="float32")
     grid = uniform.fit(jnp.asarray(w), cfg)
     s, z = ref.grid_fit(w.astype(np.float64), bits, sym)
     np.testing.assert_allclose(np.asarray(grid.scale), s, rtol=1e-6)
@@ -39,7 +39,7 @@ def test_symmetric_grid_is_centered(rng):
 def test_mse_search_never_worse_than_minmax_and_matches_reference(rng):
     w = rng.standard_normal((64, 128)).astype(np.float32)
     w[:, 0] *= 8  # outliers make clipping worthwhile
-    base = QuantConfig(bits=3, sym=False, group_size=-1)
+    base = QuantConfig(bits=3, sym=False, group_size=-1, scale_dtype="float32")
     mse = base.replace(mse=2.4)
     g0, g1 = uniform.fit(jnp.asarray(w), base), uniform.fit(jnp.asarray(w), mse)
 
@@ -57,9 +57,17 @@ def test_round_to_nearest_groups(rng):
     w = rng.standard_normal((8, 64)).astype(np.float32)
     cfg = QuantConfig(bits=4, group_size=16, sym=False)
     codes, grid, deq = uniform.round_to_nearest(jnp.asarray(w), cfg)
+    assert np.array_equal(np.asarray(grid.scale).astype(np.float16).astype(np.float32), np.asarray(grid.scale))
     assert codes.dtype == jnp.uint8 and grid.scale.shape == (8, 4)
     for g in range(4):
-        s, z = ref.grid_fit(w[:, 16 * g:16 * (g + 1)].astype(np.float64), 4, False)
+        s, z = ref.grid_fit(w[:, 16 * g:16 * (g + 1)].astype(np.float64), 4, False, scale_dtype="float16")
         q, dq, _ = ref.quant(w[:, 16 * g:16 * (g + 1)].astype(np.float64), s[:, None], z[:, None], 4)
         assert np.array_equal(np.asarray(codes)[:, 16 * g:16 * (g + 1)], q)
         np.testing.assert_allclose(np.asarray(deq)[:, 16 * g:16 * (g + 1)], dq, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_scales_never_underflow_to_zero():
+    w = jnp.asarray(np.full((2, 8), 1e-9, np.float32))
+    grid = uniform.fit(w, QuantConfig(bits=4, sym=False))
+    assert np.all(np.asarray(grid.scale) > 0)
+    assert np.all(np.isfinite(np.asarray(uniform.fake_quantize(w, grid.scale[:, None], grid.zero[:, None], 15))))

@@ -7,6 +7,8 @@ A grid maps a weight ``w`` to a code ``q = clamp(round(w / scale) + zero, 0, max
   non-negative values keeps ``xmin = 0``, as the reference GPTQ quantizer does), ``zero = (maxq + 1) / 2``.
 - Asymmetric: ``zero = round(-xmin / scale)``.
 - A row whose range is empty (all zeros) gets the range [-1, 1].
+- The scale is rounded to the dtype it will be stored in (``QuantConfig.scale_dtype``) before the zero point and
+  the codes are computed from it.
 - Optional MSE clip search: shrink the range by ``p = 1 - i / grid`` for ``i < maxshrink * grid`` and keep, per
   row, the factor with the smallest ``sum |dequant - w| ** norm`` (first minimum wins).
 
@@ -19,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jgptq.config import QuantConfig
 
@@ -43,8 +46,20 @@ def _range(w: jax.Array, sym: bool):
     return xmin, xmax
 
 
-def _grid_from_range(xmin, xmax, maxq: int, sym: bool) -> Grid:
-    scale = (xmax - xmin) / maxq
+def storable_scale(scale: jax.Array, scale_dtype: str) -> jax.Array:
+    """``scale`` rounded to ``scale_dtype`` (kept in float32) and kept positive (at least the dtype's smallest
+    subnormal), so a grid never divides by zero."""
+    if scale_dtype == "float32":
+        return scale
+    dt = jnp.dtype(scale_dtype)
+    tiny = jnp.asarray(jnp.finfo(dt).smallest_subnormal, jnp.float32)
+    return jnp.maximum(scale.astype(dt).astype(jnp.float32), tiny)
+
+
+def _grid_from_range(xmin, xmax, maxq: int, sym: bool, scale_dtype: str = "float32") -> Grid:
+    # An explicit reciprocal: XLA rewrites a division by a constant into this product on some backends and not
+    # on others; writing it out gives the same scale everywhere.
+    scale = storable_scale((xmax - xmin) * np.float32(1.0 / maxq), scale_dtype)
     if sym:
         zero = jnp.full_like(scale, (maxq + 1) / 2)
     else:
@@ -72,7 +87,7 @@ def fit(w: jax.Array, config: QuantConfig) -> Grid:
     w = w.astype(jnp.float32)
     maxq, sym = config.maxq, config.sym
     xmin, xmax = _range(w, sym)
-    grid = _grid_from_range(xmin, xmax, maxq, sym)
+    grid = _grid_from_range(xmin, xmax, maxq, sym, config.scale_dtype)
     if config.mse <= 0:
         return grid
     norm = float(config.mse)
@@ -81,7 +96,7 @@ def fit(w: jax.Array, config: QuantConfig) -> Grid:
     def body(i, carry):
         best, scale, zero = carry
         p = 1.0 - i.astype(jnp.float32) / config.mse_grid
-        cand = _grid_from_range(p * xmin, p * xmax, maxq, sym)
+        cand = _grid_from_range(p * xmin, p * xmax, maxq, sym, config.scale_dtype)
         err = jnp.sum(jnp.abs(fake_quantize(w, cand.scale[..., None], cand.zero[..., None], maxq) - w) ** norm,
                       axis=-1)
         better = err < best
