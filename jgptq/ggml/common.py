@@ -171,9 +171,15 @@ def ordered_sum(terms, start=None):
         acc = jnp.where(t0 == 0, jnp.zeros_like(t0), t0)
     else:
         acc = settle(jnp.asarray(start, F32)) + terms[..., 0]
-    for i in range(1, n):
-        acc = acc + terms[..., i]
-    return acc
+    if n <= 64:
+        for i in range(1, n):
+            acc = acc + terms[..., i]
+        return acc
+
+    def add(i, acc):  # long sums: a loop keeps the program small; the order is the same
+        return acc + lax.dynamic_index_in_dim(terms, i, axis=-1, keepdims=False)
+
+    return lax.fori_loop(1, n, add, acc)
 
 
 def first_absmax(x):

@@ -79,7 +79,6 @@ def cubic_refine_search(x, nmax: int):
 
     Returns (scale float32 (...,), L int32 (..., n) in [0, 2*nmax-1]); zero groups give (0, 0).
     """
-    n = x.shape[-1]
     amax, mx = first_absmax(x)
     iscale = div(np.float32(-nmax), mx)
     lv = jnp.clip(nearest_int(mul(_bcast(iscale), x)), -nmax, nmax - 1)
@@ -89,27 +88,8 @@ def cubic_refine_search(x, nmax: int):
     sumlx = ordered_sum(mul(wx, lf), 0.0)
     suml2 = ordered_sum(mul(mul(w, lf), lf), 0.0)
 
-    def one_pass(_, carry):
-        lv, sumlx, suml2 = carry
-        cols = [lv[..., i] for i in range(n)]
-        for i in range(n):
-            li = as_f32(cols[i])
-            wi, xi, wxi = w[..., i], x[..., i], wx[..., i]
-            slx = settle(sumlx - mul(wxi, li))
-            sl2 = settle(suml2 - mul(mul(wi, li), li))
-            new_l = jnp.clip(nearest_int(div(mul(xi, sl2), slx)), -nmax, nmax - 1)
-            nf = as_f32(new_l)
-            slx2 = settle(slx + mul(wxi, nf))
-            sl2b = settle(sl2 + mul(mul(wi, nf), nf))
-            take = ((slx > 0) & (new_l != cols[i]) & (sl2b > 0)
-                    & (mul(mul(slx2, slx2), suml2) > mul(mul(sumlx, sumlx), sl2b)))
-            cols[i] = jnp.where(take, new_l, cols[i])
-            sumlx = jnp.where(take, slx2, sumlx)
-            suml2 = jnp.where(take, sl2b, suml2)
-        return jnp.stack(cols, axis=-1), sumlx, suml2
-
-    # A pass that changes nothing leaves the state as it was, so running all 5 equals C's early exit.
-    lv, sumlx, suml2 = lax.fori_loop(0, 5, one_pass, (lv, sumlx, suml2))
+    lv, sumlx, suml2 = _coordinate_descent(x, w, wx, lv, sumlx, suml2,
+                                           lambda v: jnp.clip(v, -nmax, nmax - 1), positive=False)
     scale = jnp.where(suml2 > 0, div(sumlx, suml2), 0.0)
     zero = amax < GROUP_MAX_EPS
     return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv + nmax)
@@ -210,26 +190,42 @@ def positive_search(x, w, nmax: int):
     suml2 = ordered_sum(mul(mul(w, lf), lf), 0.0)
     lv = lv & 0xFF
 
-    def one_pass(_, carry):
-        lv, sumlx, suml2 = carry
-        cols = [lv[..., i] for i in range(n)]
-        for i in range(n):
-            li = as_f32(cols[i])
-            wi, xi, wxi = w[..., i], x[..., i], wx[..., i]
-            slx = settle(sumlx - mul(wxi, li))
-            sl2 = settle(suml2 - mul(mul(wi, li), li))
-            new_l = jnp.minimum(nmax, nearest_int(div(mul(xi, sl2), slx)))
-            nf = as_f32(new_l)
-            slx2 = settle(slx + mul(wxi, nf))
-            sl2b = settle(sl2 + mul(mul(wi, nf), nf))
-            take = ((slx > 0) & (sl2 > 0) & (new_l != cols[i])
-                    & (mul(mul(slx2, slx2), suml2) > mul(mul(sumlx, sumlx), sl2b)))
-            cols[i] = jnp.where(take, new_l & 0xFF, cols[i])
-            sumlx = jnp.where(take, slx2, sumlx)
-            suml2 = jnp.where(take, sl2b, suml2)
-        return jnp.stack(cols, axis=-1), sumlx, suml2
-
-    lv, sumlx, suml2 = lax.fori_loop(0, 5, one_pass, (lv, sumlx, suml2))
+    lv, sumlx, suml2 = _coordinate_descent(x, w, wx, lv, sumlx, suml2,
+                                           lambda v: jnp.minimum(nmax, v), positive=True)
     scale = jnp.where(suml2 > 0, div(sumlx, suml2), 0.0)
     zero = mx < GROUP_MAX_EPS
     return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv)
+
+
+def _coordinate_descent(x, w, wx, lv, sumlx, suml2, clamp, positive: bool):
+    """Up to 5 passes over the elements of each group, moving code i to ``nearest_int(x_i * sl2 / slx)``.
+
+    A move is kept when it raises ``sumlx**2 / suml2`` (the weighted least-squares fit). C stops after a pass
+    without moves; such a pass leaves the state unchanged, so always running 5 passes gives the same result. The
+    steps run in a ``fori_loop`` over (pass, element), each step vectorized over all groups.
+    ``positive`` selects ``make_qp_quants`` (codes >= 0 stored as ``uint8_t``, both partial sums must be > 0)
+    over ``make_q3_quants`` (only the partial ``sumlx`` must be > 0; the new ``suml2`` must be > 0).
+    """
+    n = x.shape[-1]
+
+    def step(s, carry):
+        lv, sumlx, suml2 = carry
+        i = s % n
+        xi, wi, wxi = (lax.dynamic_index_in_dim(a, i, axis=-1, keepdims=False) for a in (x, w, wx))
+        old = lax.dynamic_index_in_dim(lv, i, axis=-1, keepdims=False)
+        li = as_f32(old)
+        slx = settle(sumlx - mul(wxi, li))
+        sl2 = settle(suml2 - mul(mul(wi, li), li))
+        new_l = clamp(nearest_int(div(mul(xi, sl2), slx)))
+        nf = as_f32(new_l)
+        slx2 = settle(slx + mul(wxi, nf))
+        sl2b = settle(sl2 + mul(mul(wi, nf), nf))
+        take = (slx > 0) & (new_l != old) & (mul(mul(slx2, slx2), suml2) > mul(mul(sumlx, sumlx), sl2b))
+        take = take & ((sl2 > 0) if positive else (sl2b > 0))
+        if positive:
+            new_l = new_l & 0xFF
+        col = jnp.where(take, new_l, old)
+        lv = lax.dynamic_update_index_in_dim(lv, col, i, axis=-1)
+        return lv, jnp.where(take, slx2, sumlx), jnp.where(take, sl2b, suml2)
+
+    return lax.fori_loop(0, 5 * n, step, (lv, sumlx, suml2))
