@@ -14,6 +14,18 @@ here restore the C semantics by construction:
 - fp16 conversion and byte packing helpers.
 
 All functions are pure ``jnp`` and traceable under ``jit``/``vmap``/``lax`` loops.
+
+Where results can still differ from llama.cpp:
+
+- XLA:CPU flushes float32 subnormals to zero (inputs and results). Blocks whose C computation itself passes
+  through subnormals differ: blocks whose values are all tiny (max |x| below about 1e-8 to 1e-5, depending on the
+  format; lower powers of x are involved in the legacy and Q4_K/Q5_K reference paths), or importance values so
+  small that weighted sums fall below 1.2e-38. Normal-range weights, including blocks that merely contain tiny
+  values, are unaffected. XLA:GPU keeps subnormals unless ``--xla_gpu_ftz=true``.
+- Corrections assume the backend's division and square root are within 2 ulps (XLA:GPU's approximations are);
+  a GPU approximate division returns garbage for divisors above 2**126, far outside the codecs' range.
+- Overflowing blocks (|x| above about 1e19, whose squares overflow float32) follow C's NaN/Inf propagation where
+  it is cheap to do so, without a guarantee.
 """
 
 from __future__ import annotations
@@ -92,11 +104,19 @@ def correct_quotient(a, b, q, k: int = 2):
     return jnp.where(ok, best, q)
 
 
+def _plain_div(a, b):
+    return a / b
+
+
+def _plain_sqrt(a):
+    return jnp.sqrt(a)
+
+
 def div(a, b):
     """Correctly rounded float32 ``a / b`` on every backend (XLA:GPU's own float32 division is not)."""
     a = jnp.asarray(a, F32)
     b = jnp.asarray(b, F32)
-    return settle(correct_quotient(a, b, a / b))
+    return settle(correct_quotient(a, b, _plain_div(a, b)))
 
 
 def correct_sqrt(a, s, k: int = 2):
@@ -120,7 +140,7 @@ def correct_sqrt(a, s, k: int = 2):
 def sqrt(a):
     """Correctly rounded float32 square root (C ``sqrtf``) on every backend."""
     a = jnp.asarray(a, F32)
-    return settle(correct_sqrt(a, jnp.sqrt(a)))
+    return settle(correct_sqrt(a, _plain_sqrt(a)))
 
 
 def nearest_int(v):
@@ -186,9 +206,10 @@ def first_absmax(x):
     """C's ``if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` scan from ``amax = max = 0``.
 
     Returns (amax, max): float32 (...,) each; ``max`` is the signed value of the first element of largest
-    magnitude, and ``+0`` when every element is zero.
+    magnitude, and ``+0`` when every element is zero. NaN elements are skipped, as C's ``>`` skips them.
     """
     ax = jnp.abs(x)
+    ax = jnp.where(ax == ax, ax, jnp.zeros_like(ax))
     idx = jnp.argmax(ax, axis=-1)
     amax = jnp.max(ax, axis=-1)
     m = jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]

@@ -55,7 +55,7 @@ def nearest_level(v):
     vals = _levels()
     v = settle(jnp.asarray(v, F32))
     above = jnp.sum((vals <= v[..., None]).astype(jnp.int32), axis=-1)
-    mu = jnp.clip(above, 1, 15)
+    mu = jnp.where(v == v, jnp.clip(above, 1, 15), 15)  # C's bisection ends on the top pair for a NaN
     lower, upper = vals[mu - 1], vals[mu]
     idx = jnp.where(settle(v - lower) < settle(upper - v), mu - 1, mu)
     idx = jnp.where(v <= vals[0], 0, idx)

@@ -5,7 +5,6 @@ with jgptq and with ``ggml_quantize_chunk``, and requires byte-identical blocks;
 ``dequantize_row_*``.
 """
 
-import ctypes
 import os
 
 import numpy as np
@@ -60,22 +59,10 @@ def test_encoder_matches_ggml_quantize_chunk(name, with_importance, shares):
     assert same.all(), f"seed {SEED}: {name}: {same.mean():.4%} identical blocks"
 
 
-def _c_dequantize(payload, fmt):
-    """``dequantize_row_<type>`` of the C library on each row (C symbol names keep the upper-case K)."""
-    lib = llama_cpp.load()
-    fn = getattr(lib, "dequantize_row_" + fmt.name.replace("_k", "_K"))
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    payload = np.ascontiguousarray(payload)
-    out = np.zeros((payload.shape[0], payload.shape[1] // fmt.type_size * fmt.block_size), np.float32)
-    fn(payload.ctypes.data, out.ctypes.data, out.size)
-    return out
-
-
 @pytest.mark.parametrize("name", FORMATS)
 def test_decoder_matches_dequantize_row(name):
     f = gg.get_format(name)
     rng = np.random.default_rng(SEED + 1)
     payload = rng.integers(0, 256, size=(16, 512 // f.block_size * f.type_size), dtype=np.uint8)
-    want = _c_dequantize(payload, f)
+    want = llama_cpp.dequantize(payload, f.type_id)
     assert same_floats(gg.decode(payload, name), want), f"seed {SEED + 1}"

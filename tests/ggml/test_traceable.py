@@ -59,3 +59,39 @@ def test_legacy_row_statistic_can_be_supplied():
     assert np.allclose(np.asarray(sigma2), want, rtol=1e-5)
     part = np.asarray(f.encode(jnp.asarray(X[:, 64:128]), jnp.asarray(IMP[64:128]), row_sigma2=sigma2))
     assert np.array_equal(part, full[:, 2 * 18:4 * 18])
+
+
+def test_same_bytes_when_jax_runs_in_64_bit_mode():
+    from tests.ggml.helpers import identical_blocks, load_golden
+
+    arrays, _ = load_golden()
+    with jax.enable_x64(True):
+        for name, path in (("q5_0", "imp1"), ("iq4_nl", "none")):
+            imp = None if path == "none" else arrays["importance"][1]
+            got = np.asarray(gg.encode(arrays["x"], name, imp))
+            assert identical_blocks(got, arrays[f"{name}/{path}"], gg.get_format(name).type_size).all()
+
+
+def test_bytes_survive_an_inexact_division_and_square_root(monkeypatch):
+    # XLA:GPU lowers float32 division (and may lower square roots) to approximations up to 2 ulps off. Inject
+    # such errors into the plain operations and check that the encoders still write llama.cpp's bytes.
+    from jgptq.ggml import common, iq4, k_quants, legacy
+    from tests.ggml.helpers import identical_blocks, load_golden
+
+    def wobble(v, seed_bits):
+        k = (jax.lax.bitcast_convert_type(seed_bits, jnp.int32) >> 3) % 5 - 2  # -2..2 ulps, data dependent
+        for step in (1, 2):
+            v = jnp.where(k >= step, jnp.nextafter(v, jnp.float32(jnp.inf)), v)
+            v = jnp.where(k <= -step, jnp.nextafter(v, jnp.float32(-jnp.inf)), v)
+        return v
+
+    monkeypatch.setattr(common, "_plain_div", lambda a, b: wobble(a / b, a + b))
+    monkeypatch.setattr(common, "_plain_sqrt", lambda a: wobble(jnp.sqrt(a), a))
+    arrays, _ = load_golden()
+    x, imp = jnp.asarray(arrays["x"]), jnp.asarray(arrays["importance"][0])
+    cases = [("q4_0", legacy.encode_q4_0, imp), ("q4_k", k_quants.encode_q4_k, imp),
+             ("q3_k", k_quants.encode_q3_k, None), ("iq4_xs", iq4.encode_iq4_xs, imp)]
+    for name, fn, w in cases:
+        got = np.asarray(jax.jit(fn)(x, w))  # a fresh trace sees the patched operations
+        want = arrays[f"{name}/{'none' if w is None else 'imp0'}"]
+        assert identical_blocks(got, want, gg.get_format(name).type_size).all(), name
