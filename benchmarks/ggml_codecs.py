@@ -177,7 +177,8 @@ def run(args):
 def _line(r):
     if "error" in r or "skipped" in r:
         return r.get("error") or r.get("skipped")
-    s = f"encode {r['jax_encode_values_per_s'] / 1e6:9.1f} Mval/s  decode {r['jax_decode_values_per_s'] / 1e6:9.1f} Mval/s"
+    s = (f"encode {r['jax_encode_values_per_s'] / 1e6:9.1f} Mval/s"
+         f"  decode {r['jax_decode_values_per_s'] / 1e6:9.1f} Mval/s")
     if "llama_encode_s" in r:
         s += (f"  llama.cpp {r['llama_encode_values_per_s'] / 1e6:8.1f} Mval/s  x{r['speedup_encode_vs_llama']:.2f}"
               f"  identical blocks {r['identical_blocks_share']:.4%}")

@@ -26,7 +26,7 @@ def _all_finite(a) -> bool:
     return bool(jax.device_get(jnp.all(jnp.isfinite(a))))
 
 
-def _check_importance(importance, n: int, fmt: GGMLFormat):
+def _check_importance(importance, n: int):
     imp = jnp.asarray(importance)
     if not jnp.issubdtype(imp.dtype, jnp.floating) and not jnp.issubdtype(imp.dtype, jnp.integer):
         raise ValueError(f"importance must be a real array, got dtype {imp.dtype}")
@@ -76,7 +76,7 @@ def encode(x, fmt: FormatLike, importance: Optional[object] = None) -> jax.Array
         if f.requires_importance:
             raise ValueError(f"GGML format {f.name!r} requires importance weights (an imatrix); none given")
         return f.encode(x)
-    return f.encode(x, _check_importance(importance, n, f))
+    return f.encode(x, _check_importance(importance, n))
 
 
 def decode(payload, fmt: FormatLike) -> jax.Array:

@@ -24,7 +24,6 @@ from jgptq.ggml.common import (
     as_f32,
     blocks,
     div,
-    f16_bits,
     f16_round,
     first_absmax,
     mul,

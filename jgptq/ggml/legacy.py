@@ -219,12 +219,8 @@ def decode_q8_0(payload):
     return unblock(mul(as_f32(q), d[..., None]))
 
 
-def _enc(fn):
-    return jax.jit(fn)
-
-
-register("q4_0", decode=jax.jit(decode_q4_0), encode=_enc(encode_q4_0))
-register("q4_1", decode=jax.jit(decode_q4_1), encode=_enc(encode_q4_1))
-register("q5_0", decode=jax.jit(decode_q5_0), encode=_enc(encode_q5_0))
-register("q5_1", decode=jax.jit(decode_q5_1), encode=_enc(encode_q5_1))
-register("q8_0", decode=jax.jit(decode_q8_0), encode=_enc(encode_q8_0))
+register("q4_0", decode=jax.jit(decode_q4_0), encode=jax.jit(encode_q4_0))
+register("q4_1", decode=jax.jit(decode_q4_1), encode=jax.jit(encode_q4_1))
+register("q5_0", decode=jax.jit(decode_q5_0), encode=jax.jit(encode_q5_0))
+register("q5_1", decode=jax.jit(decode_q5_1), encode=jax.jit(encode_q5_1))
+register("q8_0", decode=jax.jit(decode_q8_0), encode=jax.jit(encode_q8_0))

@@ -80,7 +80,8 @@ def compiler_of(path: str) -> str:
     """The compiler recorded in a shared library's ELF ``.comment`` section ('' if none is found)."""
     with open(path, "rb") as fh:
         data = fh.read()
-    found = sorted(set(m.decode("ascii", "replace") for m in re.findall(rb"GCC: \([^\x00]{0,80}|clang version [^\x00]{0,80}", data)))
+    pattern = rb"GCC: \([^\x00]{0,80}|clang version [^\x00]{0,80}"
+    found = sorted(set(m.decode("ascii", "replace") for m in re.findall(pattern, data)))
     return "; ".join(found)
 
 
