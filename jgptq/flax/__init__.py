@@ -75,9 +75,9 @@ new variables in ``result.model``.
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, CapturedHessian, WeightInfo, capture_hessians,
                                 default_filter)
 from jgptq.flax.interpret import Layout
-from jgptq.flax.quantize import (QuantizeResult, as_function, capture, matrix_of, quantize, quantize_fn,
+from jgptq.flax.quantize import (QuantizeResult, as_function, capture, decode, matrix_of, quantize, quantize_fn,
                                  solve_weight, write_matrix)
 
-__all__ = ["DEFAULT_EXCLUDE", "CapturedHessian", "Layout", "QuantizeResult", "WeightInfo", "as_function", "capture",
+__all__ = ["DEFAULT_EXCLUDE", "CapturedHessian", "Layout", "QuantizeResult", "WeightInfo", "as_function", "capture", "decode",
            "capture_hessians",
            "default_filter", "matrix_of", "quantize", "quantize_fn", "solve_weight", "write_matrix"]

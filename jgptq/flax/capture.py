@@ -139,6 +139,7 @@ class Collector:
         self.units: dict = {}
         self.rejected: dict = {}
         self.skipped: dict = {}
+        self.interpreter = None  # the interpreter of the current pass (set by ModelRun.run)
         self._done: set = set()
 
     def new_pass(self, masks=None, release_streams: bool = False):

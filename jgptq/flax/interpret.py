@@ -8,7 +8,8 @@ were indexed away (a layer of a stacked parameter), and the operations that rebu
 
 Views pass through dtype casts, transposes, size-1 slices and squeezes (``W[i]`` of a stacked parameter,
 ``scan`` over layers), and calls (``jit``, ``custom_jvp``/``custom_vjp``, ``checkpoint``). ``scan`` is unrolled
-(so each layer of a scanned stack is its own weight), ``cond`` runs the branch that its concrete index picks.
+(so each layer of a scanned stack is its own weight), ``cond`` runs the branch that its concrete index picks;
+``while``, ``shard_map`` and ``pmap`` run whole, and parameters entering them are reported as not captured.
 A parameter that reaches a matmul through any other operation (a reshape that merges axes, an arithmetic op)
 is reported as skipped with the operation's name, never silently.
 
@@ -33,6 +34,9 @@ from jax.extend import core as jcore
 # Primitives that leave a parameter's values unchanged (up to dtype): views pass through them.
 _CASTS = frozenset({"convert_element_type", "copy", "copy_p", "sharding_constraint", "pvary"})
 _MATMULS = frozenset({"dot_general", "ragged_dot_general"})
+# Run whole, never entered: their bodies see per-iteration or per-shard values. Parameters read inside them are
+# reported as not captured.
+_OPAQUE = frozenset({"while", "shard_map", "xla_pmap"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,7 @@ class Site(NamedTuple):
 
 def _sub_jaxpr(eqn):
     """(jaxpr, consts) of a call-like equation whose inputs and outputs map one-to-one to its body, or None."""
-    if eqn.primitive.name in ("scan", "while", "cond"):
+    if eqn.primitive.name in _OPAQUE or eqn.primitive.name in ("scan", "cond"):
         return None
     for key in ("jaxpr", "call_jaxpr"):
         sub = eqn.params.get(key)
@@ -164,11 +168,9 @@ def _slice_view(view: View, shape, starts, sizes, op) -> View | Lost:
 
 
 def _squeeze_view(view: View, shape, dims, op) -> View | Lost:
-    axes, fixed = list(view.axes), list(view.fixed)
-    for d in dims:
-        if axes[d] is not None:  # a leaf axis of size 1 squeezed away: index 0 of it
-            fixed.append((axes[d], 0))
-    return view.then(op, [a for d, a in enumerate(axes) if d not in set(dims)], fixed)
+    dims = set(dims)
+    fixed = list(view.fixed) + [(view.axes[d], 0) for d in dims if view.axes[d] is not None]  # size-1 leaf axes
+    return view.then(op, [a for d, a in enumerate(view.axes) if d not in dims], fixed)
 
 
 def view_after(eqn, view: View, in_shape, lane_args) -> View | Lost:
@@ -310,10 +312,10 @@ class Interpreter:
             return self._scan(eqn, ins, lanes, where)
         if name == "cond":
             return self._cond(eqn, ins, lanes, where)
-        if name == "while":
+        if name in _OPAQUE:
             for t in tags:
                 if isinstance(t, (View, Lost)):
-                    self.on_skip(t.leaf, "read inside a while loop (not captured)")
+                    self.on_skip(t.leaf, f"read inside {name} (not captured)")
         outs = _bind_lanes(eqn, ins, lanes)
         out_tags = [None] * len(outs)
         tagged = [k for k, t in enumerate(tags) if t is not None]

@@ -40,8 +40,9 @@ class QuantizeResult(NamedTuple):
       model: the NNX module (its Params updated in place), the new Linen variables, or the new params pytree.
       payloads: ``{weight name: dict}`` with ``codes`` uint8, ``scales``/``zeros`` float32 (groups), ``g_idx``
         int32 (C,), ``perm`` int32 (C,) (each with a leading expert axis when the weight has expert axes;
-        ``payload`` uint8 instead of codes for GGML formats), ``layout`` (leaf axes of experts/out/in),
-        ``index`` (the layer of a stacked leaf) and ``shape`` (E, R, C) of the solved matrix stack.
+        ``payload`` uint8 instead of codes for GGML formats), ``info`` (the :class:`WeightInfo`), ``layout``
+        (leaf axes of experts/out/in), ``index`` (the layer of a stacked leaf) and ``shape`` (E, R, C) of the
+        solved matrix stack; :func:`decode` turns one back into weights.
       report: ``{"mode", "method", "batches", "weights": {name: figures}, "skipped": {path: reason}}``; figures:
         order, shape, tokens (per expert), loss, damp_used, damp_stage, fallback, dead_columns, no_token_experts
         (solved as round-to-nearest), unmasked (a mask was given but did not apply to these inputs).
@@ -84,6 +85,21 @@ def write_matrix(leaf, info: WeightInfo, matrix) -> jax.Array:
     if not info.index:
         return back
     return leaf.at[_sub_index(leaf.ndim, info.index)].set(back)
+
+
+def decode(payload: dict) -> jax.Array:
+    """The float32 weights of an integer-grid payload: ``scales[g_idx] * (codes - zeros[g_idx])``.
+
+    Returns (R, C), or (E, R, C) for a weight with expert axes (:func:`write_matrix` puts them back in a leaf).
+    """
+    if "codes" not in payload:
+        raise ValueError("decode: a GGML payload is decoded by its format (jgptq.ggml.get_format(...).decode)")
+    codes, g_idx = jnp.asarray(payload["codes"], jnp.float32), jnp.asarray(payload["g_idx"])
+    scales, zeros = jnp.asarray(payload["scales"]), jnp.asarray(payload["zeros"])
+    take = lambda t, g: jnp.take(t, g, axis=-1)  # noqa: E731
+    if codes.ndim == 3:
+        take = jax.vmap(take)
+    return take(scales, g_idx) * (codes - take(zeros, g_idx))
 
 
 def _rtn(weights, config: QuantConfig):
@@ -168,8 +184,8 @@ class _Pipeline:
         squeeze = not info.layout.experts
         self.payloads[info.name] = {
             **{k: (v[0] if squeeze else v) for k, v in payload.items()},
-            "layout": info.layout, "index": info.index, "shape": (info.experts, info.out_features,
-                                                                  info.in_features)}
+            "info": info, "layout": info.layout, "index": info.index,
+            "shape": (info.experts, info.out_features, info.in_features)}
         figures = {k: (v[0] if squeeze and isinstance(v, list) and k != "no_token_experts" else v)
                    for k, v in figures.items()}
         self.figures[info.name] = {"order": unit.order, "shape": self.payloads[info.name]["shape"],

@@ -136,3 +136,16 @@ def test_filter_and_group_size_rule(rng):
     res = quantize_fn(fn, params, [jnp.ones((4, 64))], QuantConfig(bits=4, group_size=32), method="rtn")
     assert list(res.report["weights"]) == ["big"]
     assert res.report["skipped"] == {"odd": "48 input features are not a multiple of group_size 32"}
+
+
+def test_weight_read_twice_sequential_uses_first_read(rng):
+    """Sequential mode solves a weight at its first read; all-at-once sums both reads (as documented)."""
+    w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 9, 32)), jnp.float32)
+    fn = lambda p, b: jnp.tanh(b @ p) @ p  # noqa: E731
+    cfg = QuantConfig(bits=4, group_size=-1)
+    seq = quantize_fn(fn, w, [x], cfg, select=ALL, mode="sequential", keep_hessians=True)
+    once = quantize_fn(fn, w, [x], cfg, select=ALL, mode="all_at_once", keep_hessians=True)
+    assert seq.report["weights"][""]["tokens"] == [18] and once.report["weights"][""]["tokens"] == [36]
+    close(seq.hessians[""][0], ref_hessian(x))
+    close(once.hessians[""][0], ref_hessian(x, np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64))))
