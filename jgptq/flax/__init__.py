@@ -78,6 +78,6 @@ from jgptq.flax.interpret import Layout
 from jgptq.flax.quantize import (QuantizeResult, as_function, capture, decode, matrix_of, quantize, quantize_fn,
                                  solve_weight, write_matrix)
 
-__all__ = ["DEFAULT_EXCLUDE", "CapturedHessian", "Layout", "QuantizeResult", "WeightInfo", "as_function", "capture", "decode",
-           "capture_hessians",
-           "default_filter", "matrix_of", "quantize", "quantize_fn", "solve_weight", "write_matrix"]
+__all__ = ["DEFAULT_EXCLUDE", "CapturedHessian", "Layout", "QuantizeResult", "WeightInfo", "as_function", "capture",
+           "capture_hessians", "decode", "default_filter", "matrix_of", "quantize", "quantize_fn", "solve_weight",
+           "write_matrix"]

@@ -25,7 +25,6 @@ import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -241,7 +240,8 @@ def dot_layout(view: View, p: int, dimension_numbers, x_ndim: int, x_shape) -> t
 
 
 def ragged_layout(view: View, p: int, params, x_shape) -> tuple:
-    """(Layout, x_perm, token_shape) of a ``ragged_dot_general`` with the grouped right operand ``view``; or a reason."""
+    """(Layout, x_perm, token_shape) of a ``ragged_dot_general`` whose grouped right operand is ``view``, or a
+    str reason."""
     rdn = params["ragged_dot_dimension_numbers"]
     (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
     if p != 1 or lb or rb or params.get("group_offset") is not None:

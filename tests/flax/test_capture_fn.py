@@ -42,7 +42,8 @@ def test_dense_layouts_and_shared_input(rng):
     assert got["a"].info.layout.inp == (0,) and got["b"].info.layout.inp == (1,)
     close(got["a"].hessian, ref_hessian(*batches))
     np.testing.assert_array_equal(got["a"].hessian, got["b"].hessian)  # one stream, computed once
-    close(got["c"].hessian, ref_hessian(*[np.tanh(np.asarray(x, np.float64) @ np.asarray(params["a"])) for x in batches]))
+    hidden = [np.tanh(np.asarray(x, np.float64) @ np.asarray(params["a"], np.float64)) for x in batches]
+    close(got["c"].hessian, ref_hessian(*hidden))
     assert got["a"].tokens.tolist() == [30]
 
 
@@ -149,3 +150,21 @@ def test_weight_read_twice_sequential_uses_first_read(rng):
     assert seq.report["weights"][""]["tokens"] == [18] and once.report["weights"][""]["tokens"] == [36]
     close(seq.hessians[""][0], ref_hessian(x))
     close(once.hessians[""][0], ref_hessian(x, np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64))))
+
+
+def test_mask_not_applicable_to_routed_rows_is_reported(rng):
+    w = jnp.asarray(rng.standard_normal((2, 8, 8)), jnp.float32)
+    dense = jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)
+
+    def fn(p, b):
+        x = b.reshape(-1, 8) @ p["dense"]
+        return jax.lax.ragged_dot(x, p["experts"], jnp.asarray([6, 6], jnp.int32))
+
+    x = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    res = quantize_fn(fn, {"dense": dense, "experts": w}, [x], QuantConfig(group_size=-1), select=ALL,
+                      method="rtn", mask_fn=lambda b: jnp.ones(b.shape[:2], bool))
+    assert res.report["weights"]["dense"]["unmasked"] is True  # its input rows were flattened first
+    assert res.report["weights"]["experts"]["unmasked"] is True
+    res = quantize_fn(lambda p, b: b @ p, dense, [x], QuantConfig(group_size=-1), select=ALL, method="rtn",
+                      mask_fn=lambda b: jnp.ones(b.shape[:2], bool))
+    assert res.report["weights"][""]["unmasked"] is False

@@ -135,3 +135,48 @@ def test_expert_codes_equal_plain_solve_experts():
     np.testing.assert_array_equal(result.payloads["w"]["codes"], plain.codes)
     np.testing.assert_array_equal(module.w[...], jnp.transpose(plain.weight, (0, 2, 1)))
     assert result.report["weights"]["w"]["tokens"] == [96, 80, 144, 160]
+
+
+class ScanLayer(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(64, 64, rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+        self.ein = nnx.Einsum("bsd,dhk->bshk", (64, 4, 16), rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.ein(self.lin(x)).reshape(x.shape)).astype(x.dtype)
+
+
+class ScanStack(nnx.Module):
+    """Three layers stacked by nnx.vmap and run by nnx.scan; bfloat16 Linear, multi-axis Einsum."""
+
+    def __init__(self):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return ScanLayer(rngs)
+
+        self.layers = make(nnx.Rngs(0))
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x, layer):
+            return layer(x)
+
+        return step(x, self.layers)
+
+
+def test_nnx_scan_stack_gives_one_weight_per_layer():
+    rng = np.random.default_rng(8)
+    xs = [jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.float32) for _ in range(2)]
+    model = ScanStack()
+    got = capture(model, xs)
+    assert list(got) == [f"layers/{n}/kernel[{i}]" for i in range(3) for n in ("lin", "ein")]
+    assert got["layers/ein/kernel[1]"].info.layout == ((), (2, 3), (1,))
+    # the Linear computes in bfloat16: its matmul reads the bfloat16 cast of x
+    cast = [np.asarray(x.astype(jnp.bfloat16), np.float32) for x in xs]
+    close(got["layers/lin/kernel[0]"].hessian, ref_hessian(*cast))
+    before = model.layers.lin.kernel[...]
+    result = quantize(model, xs, CONFIG)
+    assert result.report["skipped"] == {} and len(result.report["weights"]) == 6
+    after = model.layers.lin.kernel[...]
+    assert after.dtype == jnp.bfloat16 and all(not np.array_equal(after[i], before[i]) for i in range(3))
