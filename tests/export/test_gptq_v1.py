@@ -96,6 +96,15 @@ def test_desc_act_three_bit_and_config_parses(tmp_path):
     assert parsed.format == "gptq" and parsed.damp_percent == cfg.damp
 
 
+def test_group_aware_order_needs_no_desc_act(tmp_path):
+    cfg = config(act_order="group_aware")
+    result, rec = solved(cfg)
+    qc = export_gptq_v1(tmp_path / "m", {"m.up": rec}, model_config=MODEL_CONFIG, quant_config=cfg)
+    assert qc["desc_act"] is False and qc["act_group_aware"] is True and qc["meta"]["act_order"] == "group_aware"
+    t = read_checkpoint(tmp_path / "m")
+    assert np.array_equal(decode_gptq(t, "m.up", 4, ROWS, COLS), np.asarray(result.weight))
+
+
 def test_moe_experts_per_expert_names(tmp_path):
     cfg = config()
     result, stack = solved_experts(cfg)

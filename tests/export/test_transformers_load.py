@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 def test_qwen3_moe_loads_with_solved_weights(tmp_path):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
