@@ -49,8 +49,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> np.ndarray:
         """float32 weight ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` (leading expert axis kept)."""
-        s = np.take(self.scales, self.g_idx, axis=-1)
-        z = np.take(self.zeros, self.g_idx, axis=-1)
+        idx = np.broadcast_to(self.g_idx[..., None, :], self.codes.shape)
+        s = np.take_along_axis(self.scales, idx, axis=-1)
+        z = np.take_along_axis(self.zeros, idx, axis=-1)
         return (s * (self.codes.astype(np.float32) - z)).astype(np.float32)
 
 

@@ -1,8 +1,8 @@
 """The solve step of the layerwise pipeline: one batched call per shape bucket of a decoder layer.
 
 A :class:`Part` is a stack of same-shape matrices with their Hessians: one linear module (a stack of one), or
-every expert's gate/up (or down) projection of an experts module. Parts of equal (rows, columns) form a bucket;
-a bucket is solved by a single :func:`solve_bucket` call:
+every expert's gate/up (or down) projection of an experts module. Expert parts of equal (rows, columns) form a
+bucket, and so do linear parts; a bucket is solved by a single :func:`solve_bucket` call:
 
 - Hessians shared by every matrix of the bucket (a tie: gate/up of a dense MLP, or all experts' gate/up under
   ``all_experts`` calibration) are passed once, as a (C, C) matrix, so the factorization is shared too;
@@ -122,16 +122,14 @@ def _bucket_hessians(parts, low):
     return _identity_where(stacked, jnp.asarray(low))
 
 
-def _check_finite(part):
-    if part.hessian is not None and not bool(jnp.isfinite(part.hessian).all()):
-        raise ValueError(f"{part.name}: calibration activations contain NaN or Inf")
-
-
 def solve_layer(parts: list, cfg, *, devices=None) -> list:
-    """Solves every part of a layer, one call per (rows, columns) bucket; returns [(part, PartResult)]."""
+    """Solves every part of a layer, one call per bucket (experts or linear, rows, columns); returns
+    [(part, PartResult)]."""
     buckets: dict = {}
     for p in parts:
-        buckets.setdefault(tuple(p.weight.shape[1:]), []).append(p)
+        # experts and linear modules apart: each kind then has the same buckets in every layer of a kind, so the
+        # compiled solves are reused from layer to layer
+        buckets.setdefault((p.kind != "linear",) + tuple(p.weight.shape[1:]), []).append(p)
     out = []
     for shape in sorted(buckets):
         group = buckets[shape]
@@ -145,11 +143,10 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
         if cfg.method == "rtn":
             res = _rtn(weights, cfg.quant)
         else:
-            for p in group:
-                _check_finite(p)
             hess = _bucket_hessians(group, low)
-            res = solve_bucket(weights, hess, cfg.quant, name=f"{group[0].name} ({shape[0]}x{shape[1]})",
-                               devices=devices)
+            names = ", ".join(p.name for p in group)
+            # the solver checks shapes and finiteness; a NaN/Inf Hessian means NaN/Inf calibration activations
+            res = solve_bucket(weights, hess, cfg.quant, name=f"{names} ({shape[1]}x{shape[2]})", devices=devices)
         weight = to_torch(res.weight, name=group[0].name)
         host = {f: np.asarray(getattr(res, f)) for f in PartResult._fields[1:-2]}
         host["loss"] = np.where(np.asarray(low), np.nan, host["loss"])  # no GPTQ loss for fallbacks
