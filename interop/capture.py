@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from interop.dlpack import to_jax
+from interop.models import UnsupportedModelError, flag
 from jgptq import hessian
 
 IMPLEMENTATION = "jgptq_capture"
@@ -40,21 +41,27 @@ def _bucket(n: int) -> int:
 
 
 def _up_projection(module, x: torch.Tensor, e: int) -> torch.Tensor:
-    name = "gate_up_proj" if module.has_gate else "up_proj"
+    gated = flag(module, "has_gate")
+    name = "gate_up_proj" if gated else "up_proj"
     w = getattr(module, name)[e]
-    bias = getattr(module, name + "_bias")[e] if module.has_bias else None
-    y = x @ w if module.is_transposed else F.linear(x, w)
-    if bias is not None:
-        y = y + bias
-    return module._apply_gate(y) if module.has_gate else module.act_fn(y)
+    y = x @ w if flag(module, "is_transposed") else F.linear(x, w)
+    if flag(module, "has_bias"):
+        y = y + getattr(module, name + "_bias")[e]
+    if not gated:
+        return module.act_fn(y)
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:  # transformers releases before ``_apply_gate``: concatenated [gate; up]
+        g, u = y.chunk(2, dim=-1)
+        return module.act_fn(g) * u
+    return apply_gate(y)
 
 
 def _down_projection(module, h: torch.Tensor, e: int) -> torch.Tensor:
     w = module.down_proj[e]
-    o = h @ w if module.is_transposed else F.linear(h, w)
-    if module.has_bias:
+    o = h @ w if flag(module, "is_transposed") else F.linear(h, w)
+    if flag(module, "has_bias"):
         o = o + module.down_proj_bias[e]
-    if module.has_post_expert_norm:
+    if flag(module, "has_post_expert_norm"):
         o = module.post_expert_norm(o)
     return o
 
@@ -110,8 +117,8 @@ def experts_implementation(model):
     """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
     choice (a no-op for a model without dispatchable experts)."""
     if not hasattr(model, "set_experts_implementation"):
-        yield
-        return
+        raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
+                                    f"a transformers release with the experts interface is needed")
     _register()
     getter = getattr(model, "get_experts_implementation", None)
     previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)

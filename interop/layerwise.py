@@ -43,10 +43,8 @@ import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from interop import calib as calib_mod
 from interop import capture, models
@@ -54,6 +52,12 @@ from interop.dlpack import to_jax
 from interop.report import ModuleRecord, QuantizedWeight, QuantizeResult, Report
 from interop.solve import Part, solve_layer
 from jgptq.config import PipelineConfig
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # progress bars are optional
+    def tqdm(iterable, **kwargs):
+        return iterable
 
 
 class _StopForward(Exception):
@@ -306,6 +310,9 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
     parts = _layer_parts(collector, target, i, prefix, threshold)
     for name, counts in collector.routed.items():
         full = f"{prefix}.{i}.{name}"
+        if layer_tokens and not sum(counts):
+            raise models.UnsupportedModelError(f"{full}: the experts forward never reached jgptq's capture "
+                                               f"implementation; its routed tokens cannot be seen")
         report.coverage[full] = list(counts)
         report.thresholds[full] = threshold
     if cfg.keep_hessians:

@@ -36,7 +36,14 @@ UNDISPATCHED_EXPERTS = {
                          "dispatched through the experts interface",
 }
 
-_FLAGS = ("is_transposed", "is_concatenated", "has_gate", "has_bias", "has_post_expert_norm")
+# Flags set by ``use_experts_implementation`` and their values when an older transformers does not set them.
+FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
+                 "has_post_expert_norm": False}
+
+
+def flag(module, name: str) -> bool:
+    """An experts module's layout flag (its default when the installed transformers does not set it)."""
+    return bool(getattr(module, name, FLAG_DEFAULTS[name]))
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -66,8 +73,8 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def is_experts_module(module: nn.Module) -> bool:
     """True for a fused-experts module decorated with transformers' ``use_experts_implementation``."""
     down = getattr(module, "down_proj", None)
-    return (isinstance(down, nn.Parameter) and down.ndim == 3 and all(hasattr(module, f) for f in _FLAGS)
-            and hasattr(module, "num_experts"))
+    return (isinstance(down, nn.Parameter) and down.ndim == 3 and hasattr(module, "num_experts")
+            and (hasattr(module, "has_gate") or hasattr(module, "is_transposed")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,21 +101,21 @@ class ExpertsLayout:
 
     @classmethod
     def of(cls, module: nn.Module) -> "ExpertsLayout":
-        gated = bool(module.has_gate)
+        gated = flag(module, "has_gate")
         up_name = "gate_up_proj" if gated else "up_proj"
         up = getattr(module, up_name, None)
         if not isinstance(up, nn.Parameter) or up.ndim != 3:
             raise UnsupportedModelError(f"{type(module).__name__}: expected a 3-D parameter {up_name!r}")
         e, a, b = module.down_proj.shape
-        transposed = bool(module.is_transposed)
+        transposed = flag(module, "is_transposed")
         hidden, inter = (b, a) if transposed else (a, b)
         out_up = up.shape[2] if transposed else up.shape[1]
         in_up = up.shape[1] if transposed else up.shape[2]
         if in_up != hidden or out_up != (2 * inter if gated else inter) or up.shape[0] != e:
             raise UnsupportedModelError(f"{type(module).__name__}: {up_name} {tuple(up.shape)} and down_proj "
                                         f"{tuple(module.down_proj.shape)} are not a consistent experts layout")
-        return cls(up_name, transposed, bool(module.is_concatenated), gated, bool(module.has_bias),
-                   bool(module.has_post_expert_norm), e, hidden, inter)
+        return cls(up_name, transposed, flag(module, "is_concatenated"), gated, flag(module, "has_bias"),
+                   flag(module, "has_post_expert_norm"), e, hidden, inter)
 
     def linear(self, param: torch.Tensor) -> torch.Tensor:
         """(E, out, in) view of a stored 3-D weight (a transposed view when the storage is (E, in, out))."""

@@ -157,6 +157,11 @@ def test_bad_inputs_get_clear_errors():
         jgptq.quantize_moe(llama, ["some text"], **OPTS)
     with pytest.raises(TypeError, match="unknown option 'bitz'"):
         jgptq.quantize_moe(llama, CALIB, bitz=3)
+    broken = build("llama")
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[int(CALIB[0, 0])] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.\w+_proj.*Hessian contains NaN or Inf"):
+        jgptq.quantize_moe(broken, CALIB, **OPTS)
 
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
