@@ -32,6 +32,11 @@ Pipeline, per decoder layer:
    gate/up tensors and transposed layouts written through views);
 5. replay: the layer runs again with quantized weights; its outputs are the next layer's inputs.
 
+Written-back weights are the dequantized grid values cast to the parameter's dtype (exact in float32; rounded
+for bf16/fp16 models); ``result.weights`` keeps the exact codes, scales and zeros for exporters.
+``calibration="all_experts"`` runs every expert's gate/up on every token (E/k times the expert FLOPs of a routed
+forward) and ties all experts' gate/up to one Hessian.
+
 All of a layer's Hessians come from the float layer (the modules of one layer are not solved one after the
 other with earlier ones already quantized): this lets every same-shape matrix of the layer go into a single
 batched solve, the form that spreads over devices. Error from earlier layers does propagate (step 5).

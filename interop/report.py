@@ -125,9 +125,17 @@ class Report:
                 fh.write(text)
         return text
 
-    def coverage_table(self) -> str:
+    def coverage_table(self, full: bool = False) -> str:
+        """Tokens routed to each expert: one summary line per experts module, or (``full``) every expert's count,
+        ``*`` marking those below the GPTQ threshold (round-to-nearest)."""
         lines = []
         for name, counts in self.coverage.items():
+            if full:
+                thr = self.thresholds.get(name, 1)
+                cells = [f"{e:>4}:{c:>7}{'*' if c < thr else ' '}" for e, c in enumerate(counts)]
+                lines.append(f"{name} (threshold {thr})")
+                lines += ["  " + " ".join(cells[i:i + 8]) for i in range(0, len(cells), 8)]
+                continue
             thr = self.thresholds.get(name, 1)
             low = [e for e, c in enumerate(counts) if c < thr]
             lines.append(f"{name}: {len(counts)} experts, tokens min {min(counts)} / median "
@@ -155,6 +163,9 @@ class Report:
                + f" ({self.calibration_tokens} calibration tokens)", *rows]
         if self.coverage:
             out += ["expert coverage:", self.coverage_table()]
+            low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}
+            if low:  # every expert's count where some fell back to round-to-nearest
+                out.append(Report(config={}, coverage=low, thresholds=self.thresholds).coverage_table(full=True))
         totals = self.stage_totals()
         if totals:
             out.append("seconds per stage: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
