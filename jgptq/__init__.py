@@ -40,14 +40,18 @@ def _disable_preallocation() -> None:
 
 _disable_preallocation()
 
-from jgptq.config import QuantConfig  # noqa: E402
+from jgptq.config import MoEConfig, PipelineConfig, QuantConfig  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["QuantConfig", "quantize_moe", "__version__"]
+__all__ = ["MoEConfig", "PipelineConfig", "QuantConfig", "quantize_moe", "__version__"]
 
 
 def quantize_moe(torch_model, calib, config=None, **kwargs):
-    """Quantizes a transformers model layer by layer with GPTQ (see :func:`interop.layerwise.quantize_moe`)."""
+    """Quantizes a transformers model layer by layer with GPTQ, in place (see :func:`interop.layerwise.quantize_moe`).
+
+    ``result = jgptq.quantize_moe(model, calib, bits=4, group_size=128, device="cuda")``; ``print(result.report)``;
+    ``result.weights[checkpoint_key]`` holds codes/scales/zeros/g_idx for exporters.
+    """
     from interop.layerwise import quantize_moe as _quantize_moe
 
     return _quantize_moe(torch_model, calib, config, **kwargs)

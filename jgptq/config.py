@@ -7,6 +7,7 @@ static argument. Every field is checked at construction with an error that names
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -103,3 +104,134 @@ class QuantConfig:
     def replace(self, **changes) -> "QuantConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+MOE_CALIBRATIONS = ("routed", "all_experts")
+METHODS = ("gptq", "rtn")
+
+
+def _fail_in(cls: str, field: str, value, rule: str):
+    raise ValueError(f"{cls}.{field}={value!r}: {rule}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """How the experts of a Mixture-of-Experts layer are calibrated.
+
+    Attributes:
+      calibration: ``"routed"`` (each expert's Hessian from the tokens the router sends it) or ``"all_experts"``
+        (every expert's Hessian from every token; the layer output, hence the next layer's input, stays exactly
+        the routed one). With ``all_experts`` the gate/up projections of all experts share one Hessian.
+      min_tokens: an expert whose Hessian saw fewer tokens than ``max(min_tokens, min_token_fraction * N)``
+        (N = the layer's calibration tokens) is quantized by round-to-nearest instead of GPTQ, with a warning
+        and a line in the report. At least 1: an expert never routed to has no Hessian at all.
+      min_token_fraction: see ``min_tokens`` (0 disables the relative threshold).
+    """
+
+    calibration: str = "routed"
+    min_tokens: int = 1
+    min_token_fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.calibration not in MOE_CALIBRATIONS:
+            _fail_in("MoEConfig", "calibration", self.calibration, f"must be one of {MOE_CALIBRATIONS}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            _fail_in("MoEConfig", "min_tokens", self.min_tokens, "must be an integer >= 1")
+        if not 0.0 <= float(self.min_token_fraction) < 1.0:
+            _fail_in("MoEConfig", "min_token_fraction", self.min_token_fraction, "must lie in [0, 1)")
+
+    def threshold(self, layer_tokens: int) -> int:
+        """Smallest token count for which an expert is solved by GPTQ."""
+        return max(self.min_tokens, math.ceil(self.min_token_fraction * layer_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The layer-by-layer quantization of a whole model (:func:`jgptq.quantize_moe`).
+
+    Attributes:
+      quant: how each weight matrix is quantized (:class:`QuantConfig`).
+      moe: how experts are calibrated (:class:`MoEConfig`).
+      method: ``"gptq"``, or ``"rtn"`` (round-to-nearest on the same grids, no calibration solve: a baseline).
+      hessian_dtype: ``"float32"`` (exact float32 X^T X) or ``"bfloat16"`` (bf16 operands, float32 sums).
+      batch_size: calibration sequences per forward.
+      max_length: truncate tokenized text to this many tokens (None: no truncation).
+      exclude: extra regular expressions; a module whose name (relative to its decoder layer, e.g.
+        ``self_attn.o_proj`` or ``mlp.experts``) matches one is left in floating point. Routers, embeddings and
+        the output head are always excluded.
+      keep_hessians: keep every finalized Hessian in the result (memory: C^2 floats each), for analysis.
+      progress: show progress bars.
+    """
+
+    quant: QuantConfig = QuantConfig()
+    moe: MoEConfig = MoEConfig()
+    method: str = "gptq"
+    hessian_dtype: str = "float32"
+    batch_size: int = 8
+    max_length: "int | None" = None
+    exclude: tuple = ()
+    keep_hessians: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.quant, QuantConfig):
+            _fail_in("PipelineConfig", "quant", self.quant, "must be a QuantConfig")
+        if not isinstance(self.moe, MoEConfig):
+            _fail_in("PipelineConfig", "moe", self.moe, "must be a MoEConfig")
+        if self.quant.is_ggml:
+            _fail_in("PipelineConfig", "quant", self.quant.format, "the layerwise pipeline writes integer grids; "
+                     "GGML formats go through the GGUF exporter")
+        if self.method not in METHODS:
+            _fail_in("PipelineConfig", "method", self.method, f"must be one of {METHODS}")
+        if self.hessian_dtype not in ("float32", "bfloat16"):
+            _fail_in("PipelineConfig", "hessian_dtype", self.hessian_dtype, "must be 'float32' or 'bfloat16'")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            _fail_in("PipelineConfig", "batch_size", self.batch_size, "must be a positive integer")
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            _fail_in("PipelineConfig", "max_length", self.max_length, "must be None or a positive integer")
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        import re
+
+        for pattern in self.exclude:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as exc:
+                _fail_in("PipelineConfig", "exclude", pattern, f"not a regular expression ({exc})")
+
+    @classmethod
+    def build(cls, config=None, **kwargs) -> "PipelineConfig":
+        """A config from a :class:`PipelineConfig`, a :class:`QuantConfig` or None, with field overrides.
+
+        Keyword arguments may name fields of this class, of :class:`QuantConfig` (``bits=3``) or of
+        :class:`MoEConfig` (``calibration="all_experts"``, ``min_tokens=16``); anything else raises TypeError.
+        """
+        if config is None:
+            config = cls()
+        elif isinstance(config, QuantConfig):
+            config = cls(quant=config)
+        elif not isinstance(config, cls):
+            raise TypeError(f"config must be a PipelineConfig, a QuantConfig or None, got {type(config).__name__}")
+        own = {f.name for f in dataclasses.fields(cls)}
+        qf = {f.name for f in dataclasses.fields(QuantConfig)}
+        mf = {f.name for f in dataclasses.fields(MoEConfig)}
+        mine, quant, moe = {}, {}, {}
+        for key, value in kwargs.items():
+            if key in own:
+                mine[key] = value
+            elif key in qf:
+                quant[key] = value
+            elif key in mf:
+                moe[key] = value
+            else:
+                raise TypeError(f"unknown option {key!r}: not a field of PipelineConfig, QuantConfig or MoEConfig")
+        if quant:
+            mine["quant"] = dataclasses.replace(mine.get("quant", config.quant), **quant)
+        if moe:
+            mine["moe"] = dataclasses.replace(mine.get("moe", config.moe), **moe)
+        return dataclasses.replace(config, **mine) if mine else config
+
+    def to_dict(self) -> dict:
+        """Plain-Python form (JSON-serializable)."""
+        return dataclasses.asdict(self)

@@ -69,7 +69,7 @@ def _accumulate(state: HessianState, x: jax.Array, mask: Optional[jax.Array], in
 def _check_batch(state: HessianState, x, mask, input_dtype: str, name: str):
     if input_dtype not in INPUT_DTYPES:
         raise ValueError(f"input_dtype must be one of {INPUT_DTYPES}, got {input_dtype!r}")
-    c = state.hessian_sum.shape[-1]
+    c = state.hessian_sum.shape[-1]  # (C, C) or a stack (E, C, C)
     if x.ndim < 1 or x.shape[-1] != c:
         raise ValueError(f"{name}: activations of shape {tuple(x.shape)} do not match a Hessian of {c} columns")
     if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
@@ -107,12 +107,53 @@ def accumulate(state: HessianState, x, mask=None, *, input_dtype: str = "float32
 @jax.jit
 def _finalize(state: HessianState) -> jax.Array:
     n = jnp.maximum(state.token_count, 1).astype(jnp.float32)
-    return state.hessian_sum * (2.0 / n)
+    return state.hessian_sum * (2.0 / n)[..., None, None]
 
 
 def finalize(state: HessianState) -> jax.Array:
-    """The GPTQ Hessian ``2 / N * sum x x^T`` (float32 (C, C)); all zeros when no token was seen."""
+    """The GPTQ Hessian ``2 / N * sum x x^T`` (float32 (C, C), or (E, C, C) for a stacked state with counts (E,));
+    all zeros where no token was seen."""
     return _finalize(state)
+
+
+def init_stacked(num_states: int, num_columns: int, device=None) -> HessianState:
+    """An empty stack of ``num_states`` statistics (e.g. one per expert): (E, C, C) sums and (E,) counts."""
+    if num_states < 1 or num_columns < 1:
+        raise ValueError(f"num_states and num_columns must be positive, got {num_states}, {num_columns}")
+    h = jnp.zeros((num_states, num_columns, num_columns), jnp.float32)
+    n = jnp.zeros((num_states,), jnp.int32)
+    if device is not None:
+        h, n = jax.device_put(h, device), jax.device_put(n, device)
+    return HessianState(h, n)
+
+
+@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,))
+def _accumulate_at(state: HessianState, index, x, mask, input_dtype: str) -> HessianState:
+    one = HessianState(jnp.zeros_like(state.hessian_sum[0]), jnp.zeros((), jnp.int32))
+    add = _accumulate.__wrapped__(one, x, mask, input_dtype)
+    h = jax.lax.dynamic_update_index_in_dim(state.hessian_sum, state.hessian_sum[index] + add.hessian_sum,
+                                            index, 0)
+    n = state.token_count.at[index].add(add.token_count)
+    return HessianState(h, n)
+
+
+def accumulate_at(state: HessianState, index: int, x, mask=None, *, input_dtype: str = "float32",
+                  check_finite: bool = True, name: str = "activations") -> HessianState:
+    """Adds a batch to entry ``index`` of a stacked state (:func:`init_stacked`), in place (donated).
+
+    Args and return as :func:`accumulate`, with ``state`` of shapes (E, C, C) / (E,) and ``index`` in [0, E).
+    """
+    _check_batch(state, x, mask, input_dtype, name)
+    if not 0 <= int(index) < state.hessian_sum.shape[0]:
+        raise ValueError(f"{name}: index {index} outside a stack of {state.hessian_sum.shape[0]} states")
+    if int(np.prod(x.shape[:-1])) == 0:
+        return state
+    x = jnp.asarray(x)
+    if check_finite and not bool(jnp.isfinite(x).all()):
+        raise ValueError(f"{name}: activations contain NaN or Inf")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+    return _accumulate_at(state, jnp.int32(index), x, mask, input_dtype)
 
 
 def from_activations(x, mask=None, *, input_dtype: str = "float32") -> HessianState:

@@ -1,0 +1,120 @@
+"""Calibration data in the forms users have, turned into padded batches with attention masks.
+
+Accepted by :func:`batches` (and so by :func:`jgptq.quantize_moe`):
+
+- a LongTensor of token ids, (S,) one sequence or (N, S) N sequences;
+- a list of such tensors (or of lists of ints); sequences of different lengths are right-padded;
+- a dict with ``input_ids`` and optionally ``attention_mask`` (tensors or nested lists), or a list of such dicts
+  (what a tokenizer returns);
+- text: a str or a list of str, with ``tokenizer=`` (any callable returning ``{"input_ids": ...}``).
+
+Padding is marked with attention mask 0 and never reaches a Hessian. A calibration set without a single real
+token raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Batch(NamedTuple):
+    """One calibration forward: input_ids (B, S) int64 and attention_mask (B, S) int64 (1 = real token)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def _as_rows(ids, mask, what: str) -> list:
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{what}: token ids must be integers, got {ids.dtype}")
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise ValueError(f"{what}: token ids must be (S,) or (N, S), got shape {tuple(ids.shape)}")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    mask = torch.as_tensor(mask)
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.shape != ids.shape:
+        raise ValueError(f"{what}: attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    return [(ids[i].long(), (mask[i] != 0).long()) for i in range(ids.shape[0])]
+
+
+def _tokenize(texts, tokenizer, max_length):
+    if tokenizer is None:
+        raise ValueError("calibration text needs a tokenizer (pass tokenizer=...)")
+    rows = []
+    for text in texts:
+        kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
+        enc = tokenizer(text, **kwargs)
+        ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+        rows.extend(_as_rows(ids, enc.get("attention_mask") if hasattr(enc, "get") else None, "tokenized text"))
+    return rows
+
+
+def sequences(calib, tokenizer=None, max_length=None) -> list:
+    """Every calibration sequence as (ids (S,), mask (S,)) int64 pairs, truncated to ``max_length``."""
+    if isinstance(calib, str):
+        calib = [calib]
+    if isinstance(calib, torch.Tensor):
+        rows = _as_rows(calib, None, "calibration tensor")
+    elif isinstance(calib, dict) or hasattr(calib, "keys"):
+        if "input_ids" not in calib:
+            raise ValueError(f"calibration dict has no 'input_ids' (keys: {sorted(calib.keys())})")
+        ids = calib["input_ids"]
+        mask = calib.get("attention_mask")
+        if isinstance(ids, list) and ids and isinstance(ids[0], (list, torch.Tensor)):
+            masks = mask if mask is not None else [None] * len(ids)
+            rows = [r for i, m in zip(ids, masks) for r in _as_rows(i, m, "calibration input_ids")]
+        else:
+            rows = _as_rows(ids, mask, "calibration input_ids")
+    elif isinstance(calib, (list, tuple)):
+        if not calib:
+            raise ValueError("calibration set is empty")
+        if all(isinstance(c, str) for c in calib):
+            rows = _tokenize(calib, tokenizer, max_length)
+        elif all(isinstance(c, int) for c in calib):
+            rows = _as_rows(list(calib), None, "calibration ids")
+        else:
+            rows = [r for c in calib for r in sequences(c, tokenizer, max_length)]
+    else:
+        raise TypeError(f"unsupported calibration input of type {type(calib).__name__}: pass token ids, a list of "
+                        f"them, a dict with input_ids/attention_mask, or text with a tokenizer")
+    if max_length is not None:
+        rows = [(i[:max_length], m[:max_length]) for i, m in rows]
+    return rows
+
+
+def batches(calib, *, tokenizer=None, batch_size: int = 8, max_length=None, pad_id: int = 0) -> list:
+    """Calibration data as a list of :class:`Batch` (right-padded, in input order).
+
+    Raises:
+      ValueError: no sequence, or no real (unmasked) token at all.
+    """
+    rows = sequences(calib, tokenizer, max_length)
+    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
+        pad_id = int(tokenizer.pad_token_id)
+    total = sum(int(m.sum()) for _, m in rows)
+    if total == 0:
+        raise ValueError(f"calibration set has zero tokens ({len(rows)} sequences, all empty or fully masked)")
+    rows = [(i, m) for i, m in rows if int(m.sum()) > 0]
+    out = []
+    for b in range(0, len(rows), batch_size):
+        chunk = rows[b:b + batch_size]
+        length = max(i.shape[0] for i, _ in chunk)
+        ids = torch.full((len(chunk), length), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(chunk), length), dtype=torch.int64)
+        for r, (i, m) in enumerate(chunk):
+            ids[r, : i.shape[0]] = i
+            mask[r, : m.shape[0]] = m
+        out.append(Batch(ids, mask))
+    return out
+
+
+def token_count(batch_list: list) -> int:
+    """Real (unmasked) tokens in a list of batches."""
+    return int(sum(int(b.attention_mask.sum()) for b in batch_list))

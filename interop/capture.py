@@ -1,0 +1,276 @@
+"""Seeing the inputs of every weight of a decoder layer, and summing them into Hessians (JAX, via DLPack).
+
+Two mechanisms, both active only inside :meth:`Collector.attach`:
+
+- forward hooks on ``nn.Linear`` modules: a module's input rows feed its Hessian. Modules that receive the very
+  same input tensor object in one forward (q/k/v after the input norm, gate/up after the post-attention norm,
+  a shared expert's gate/up) share one Hessian: the tie is observed, not listed per model;
+- the ``"jgptq_capture"`` experts implementation, registered with transformers' ``ExpertsInterface`` and selected
+  with ``model.set_experts_implementation`` (see :func:`experts_implementation`). It computes the layer output like
+  the eager loop (float32 accumulation of the weighted expert outputs, as ``grouped_mm`` does) for every flag
+  combination of ``use_experts_implementation`` (concatenated or interleaved gate/up, transposed storage, biases,
+  ungated experts, post-expert norm), and hands each expert's gate/up input rows and down input rows (the
+  activated ``act(gate) * up``) to the active :class:`Collector`.
+
+Calibration modes: ``routed`` (an expert sees the tokens the router sends it) and ``all_experts`` (its gate/up and
+down Hessians see every token; the output still uses the routed rows only, so it is exactly the routed output;
+gate/up of all experts then share one Hessian). Padding tokens (attention mask 0) never reach a Hessian.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+
+from interop.dlpack import to_jax
+from interop.models import UnsupportedModelError, flag
+from jgptq import hessian
+
+IMPLEMENTATION = "jgptq_capture"
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jgptq_collector", default=None)
+_MAX_ROWS = 1 << 13
+
+
+def _bucket(n: int) -> int:
+    """Rows a batch of ``n`` rows is padded to: a power of two from 64 to 8192, so that the jitted accumulation
+    compiles for a handful of shapes only (padding rows are zero and masked out of the token count)."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _up_projection(module, x: torch.Tensor, e: int) -> torch.Tensor:
+    gated = flag(module, "has_gate")
+    name = "gate_up_proj" if gated else "up_proj"
+    w = getattr(module, name)[e]
+    y = x @ w if flag(module, "is_transposed") else F.linear(x, w)
+    if flag(module, "has_bias"):
+        y = y + getattr(module, name + "_bias")[e]
+    if not gated:
+        return module.act_fn(y)
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:  # transformers releases before ``_apply_gate``: concatenated [gate; up]
+        g, u = y.chunk(2, dim=-1)
+        return module.act_fn(g) * u
+    return apply_gate(y)
+
+
+def _down_projection(module, h: torch.Tensor, e: int) -> torch.Tensor:
+    w = module.down_proj[e]
+    o = h @ w if flag(module, "is_transposed") else F.linear(h, w)
+    if flag(module, "has_bias"):
+        o = o + module.down_proj_bias[e]
+    if flag(module, "has_post_expert_norm"):
+        o = module.post_expert_norm(o)
+    return o
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """An experts forward for transformers' ``ExpertsInterface`` that reports each expert's inputs.
+
+    Args:
+      hidden_states: (T, H) tokens (padding included).
+      top_k_index: (T, k) int64 expert ids (ids >= num_experts are expert-parallel sentinels and are dropped).
+      top_k_weights: (T, k) routing weights.
+    Returns:
+      (T, H) in the dtype of ``hidden_states``: sum over the k routed experts of weight * expert(x).
+    """
+    collector = _ACTIVE.get()
+    every = collector is not None and collector.all_experts
+    n_exp = int(self.num_experts)
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_exp)[:n_exp].tolist()
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    start = 0
+    for e in range(n_exp):
+        sel = order[start:start + counts[e]]
+        start += counts[e]
+        if counts[e] == 0 and not every:
+            continue
+        tok, slot = sel // k, sel % k
+        if every:
+            # Hessians from every token; the output below is recomputed from the routed rows alone, so that it
+            # is bit-identical to routed calibration (matmul blocking depends on the row count).
+            collector.expert_inputs(self, e, hidden_states, _up_projection(self, hidden_states, e), tok)
+            if counts[e] == 0:
+                continue
+        x = hidden_states[tok]
+        h = _up_projection(self, x, e)
+        if collector is not None and not every:
+            collector.expert_inputs(self, e, x, h, tok)
+        o = _down_projection(self, h, e)
+        out.index_add_(0, tok, (o * top_k_weights[tok, slot, None]).float())
+    return out.to(hidden_states.dtype)
+
+
+def _register():
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+@contextlib.contextmanager
+def experts_implementation(model):
+    """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
+    choice (a no-op for a model without dispatchable experts)."""
+    if not hasattr(model, "set_experts_implementation"):
+        raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
+                                    f"a transformers release with the experts interface is needed")
+    _register()
+    getter = getattr(model, "get_experts_implementation", None)
+    previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
+    model.set_experts_implementation(IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        if previous is not None and previous != {"": None}:
+            model.set_experts_implementation(previous)
+
+
+class Collector:
+    """Hessian statistics of one decoder layer's targets, fed by hooks and the capture implementation.
+
+    Keys: a linear module's Hessian key is the name of the first module that received the same input tensor
+    (its tie leader); experts modules have stacked states ``(name, "gate_up")`` and ``(name, "down")`` with one
+    entry per expert (``(name, "gate_up")`` is a single state in ``all_experts`` mode).
+
+    Args:
+      linears: relative name -> nn.Linear.
+      experts: relative name -> (module, :class:`interop.models.ExpertsLayout`).
+      all_experts: the ``all_experts`` calibration mode.
+      input_dtype: ``"float32"`` or ``"bfloat16"`` Hessian operands.
+    """
+
+    def __init__(self, linears: dict, experts: dict, *, all_experts: bool = False, input_dtype: str = "float32"):
+        self.linears, self.experts = linears, experts
+        self.all_experts, self.input_dtype = all_experts, input_dtype
+        self.states: dict = {}
+        self.tie: dict = {}                       # linear name -> Hessian key
+        self.routed = {name: [0] * lay.num_experts for name, (_, lay) in experts.items()}
+        self.batch_tokens = 0                     # non-padding tokens seen
+        self._module_names = {id(m): n for n, (m, _) in experts.items()}
+        self._seen: list = []
+        self._keep = None
+        self._keep_count = None
+        self._handles: list = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def attach(self):
+        """Hooks the linear modules and makes this collector the experts implementation's target."""
+        for name, module in self.linears.items():
+            self._handles.append(module.register_forward_hook(self._linear_hook(name)))
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._seen.clear()
+
+    @contextlib.contextmanager
+    def batch(self, keep: torch.Tensor):
+        """Marks one calibration forward; ``keep`` is the (B, S) attention mask (nonzero = real token)."""
+        keep = keep.reshape(-1).to(torch.bool)
+        n = int(keep.sum())
+        self._keep = None if n == keep.numel() else keep
+        self._keep_count = keep.numel()
+        self.batch_tokens += n
+        try:
+            yield
+        finally:
+            self._seen.clear()
+            self._keep = None
+
+    # -- accumulation ----------------------------------------------------------------------------------------
+    def _rows_keep(self, rows: int, what: str):
+        if self._keep is None:
+            return None
+        if rows != self._keep_count:
+            raise ValueError(f"{what}: {rows} input rows cannot be aligned with the {self._keep_count} tokens of "
+                             f"the attention mask; padding could not be excluded")
+        return self._keep
+
+    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations"):
+        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the state ``key`` (entry ``index``)."""
+        if keep is not None:
+            x = x[keep]
+        n = x.shape[0]
+        state = self.states.get(key)
+        for start in range(0, max(n, 1), _MAX_ROWS):
+            piece = x[start:start + _MAX_ROWS]
+            m = piece.shape[0]
+            if m == 0 and state is not None:
+                break
+            p = _bucket(m)
+            padded = F.pad(piece, (0, 0, 0, p - m)) if p != m else piece
+            mask = torch.arange(p, device=piece.device) < m
+            xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+            if state is None:
+                dev = next(iter(xj.devices()))
+                state = (hessian.init(x.shape[-1], dev) if size is None
+                         else hessian.init_stacked(size, x.shape[-1], dev))
+            if m == 0:
+                break
+            if index is None:
+                state = hessian.accumulate(state, xj, mj, input_dtype=self.input_dtype, check_finite=False,
+                                           name=name)
+            else:
+                state = hessian.accumulate_at(state, index, xj, mj, input_dtype=self.input_dtype,
+                                              check_finite=False, name=name)
+        self.states[key] = state
+
+    def _linear_hook(self, name):
+        def hook(module, args, output):
+            x = args[0]
+            for seen, key in self._seen:
+                if seen is x:
+                    break
+            else:
+                key = None
+            if key is None:
+                key = name
+                self._seen.append((x, key))
+                rows = x.reshape(-1, x.shape[-1])
+                self._add(key, rows, self._rows_keep(rows.shape[0], name), name=name)
+            if self.tie.setdefault(name, key) != key:
+                raise RuntimeError(f"{name}: shares its input with {key!r} in one forward but with "
+                                   f"{self.tie[name]!r} in another; the layer's data flow is not static")
+        return hook
+
+    def expert_inputs(self, module, e: int, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor):
+        """Called by :func:`experts_forward` for expert ``e``: gate/up input rows x, down input rows h, and the
+        routed token ids ``tok`` (x and h hold every token in ``all_experts`` mode)."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return
+        lay = self.experts[name][1]
+        keep = self._keep
+        routed_keep = None if keep is None else keep[tok]
+        self.routed[name][e] += int(tok.numel() if routed_keep is None else routed_keep.sum())
+        if self.all_experts:
+            if e == 0:
+                self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up")
+            self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
+                      name=f"{name} down")
+        else:
+            self._add((name, "gate_up"), x, routed_keep, index=e, size=lay.num_experts, name=f"{name} gate/up")
+            self._add((name, "down"), h, routed_keep, index=e, size=lay.num_experts, name=f"{name} down")
+
+    # -- results ---------------------------------------------------------------------------------------------
+    def hessian(self, key):
+        """(finalized Hessian (C, C) or (E, C, C), token counts as a Python int or list); None if never fed."""
+        state = self.states.get(key)
+        if state is None:
+            return None
+        counts = state.token_count.tolist()
+        return hessian.finalize(state), counts
+
+    def release(self):
+        """Drops every state (frees device memory)."""
+        self.states.clear()

@@ -1,0 +1,367 @@
+"""GPTQ for a whole transformers model, one decoder layer at a time: ``jgptq.quantize_moe``.
+
+Usage::
+
+    import jgptq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-30B-A3B", dtype="bfloat16")
+    tok = AutoTokenizer.from_pretrained("Qwen/Qwen3-30B-A3B")
+    result = jgptq.quantize_moe(model, texts, tokenizer=tok, bits=4, group_size=128, device="cuda",
+                                max_length=2048)
+    print(result.report)                   # per-layer losses, expert coverage, fallbacks, seconds per stage
+    result.report.to_json("report.json")
+    result.weights["model.layers.0.mlp.experts.5.gate_proj.weight"].codes    # for exporters
+
+``calib`` is token ids, a list of them, a tokenizer's dict, or text with ``tokenizer=`` (:mod:`interop.calib`).
+Options are fields of :class:`jgptq.config.PipelineConfig`, :class:`~jgptq.config.QuantConfig` (``bits``,
+``group_size``, ``sym``, ``act_order``, ``damp``...) or :class:`~jgptq.config.MoEConfig` (``calibration=
+"all_experts"``, ``min_tokens``), given as a config object and/or keywords. ``device`` is where each layer runs
+(default: where the model's first layer is); the other layers stay where they are (e.g. on the CPU).
+
+Pipeline, per decoder layer:
+
+1. capture (once): the first layer's inputs and every layer's keyword arguments (position embeddings, masks) are
+   recorded by running the model with its layers replaced by recorders (no layer computes);
+2. calibrate: the layer runs on every batch with float weights; hooks and the capture experts implementation
+   (:mod:`interop.capture`) sum each target's input rows into float32 Hessians in JAX (via DLPack, no copies);
+3. solve: targets are grouped by shape and each group is solved by ONE batched call (all experts of a shape at
+   once; shared Hessians stay shared); experts with fewer tokens than the threshold get round-to-nearest, with
+   a warning and a line in the report;
+4. write: the dequantized weights are copied into the torch parameters in place (same storage and layout; fused
+   gate/up tensors and transposed layouts written through views);
+5. replay: the layer runs again with quantized weights; its outputs are the next layer's inputs.
+
+Written-back weights are the dequantized grid values cast to the parameter's dtype (exact in float32; rounded
+for bf16/fp16 models); ``result.weights`` keeps the exact codes, scales and zeros for exporters.
+``calibration="all_experts"`` runs every expert's gate/up on every token (E/k times the expert FLOPs of a routed
+forward) and ties all experts' gate/up to one Hessian.
+
+All of a layer's Hessians come from the float layer (the modules of one layer are not solved one after the
+other with earlier ones already quantized): this lets every same-shape matrix of the layer go into a single
+batched solve, the form that spreads over devices. Error from earlier layers does propagate (step 5).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import jax
+import numpy as np
+import torch
+
+from interop import calib as calib_mod
+from interop import capture, models
+from interop.dlpack import to_jax
+from interop.report import ModuleRecord, QuantizedWeight, QuantizeResult, Report
+from interop.solve import Part, solve_layer
+from jgptq.config import PipelineConfig
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # progress bars are optional
+    def tqdm(iterable, **kwargs):
+        return iterable
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _param_device(module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _to(obj, device, memo: dict):
+    if isinstance(obj, torch.Tensor):
+        key = id(obj)
+        if key not in memo:
+            memo[key] = obj.to(device)
+        return memo[key]
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device, memo) for o in obj)
+    if isinstance(obj, list):
+        return [_to(o, device, memo) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device, memo) for k, v in obj.items()}
+    return obj
+
+
+def capture_inputs(model, layers, batch_list, device):
+    """Runs the model once per batch with every decoder layer replaced by a recorder.
+
+    Returns:
+      (hidden, layer_inputs): hidden[b] = first-layer input (B, S, H) of batch b on ``device``;
+      layer_inputs[b][i] = (positional args after hidden_states, keyword args) of layer i for batch b.
+    """
+    hidden, inputs = [], []
+    current: dict = {}
+
+    def recorder(i):
+        def forward(*args, **kwargs):
+            if args:
+                hs, rest = args[0], args[1:]
+            else:
+                hs, rest = kwargs.pop("hidden_states"), ()
+            current["layers"][i] = _to((rest, kwargs), device, current["memo"])
+            if i == 0:
+                current["hidden"] = hs.to(device)
+            if i == len(layers) - 1:
+                raise _StopForward
+            return hs
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)
+    emb = model.get_input_embeddings()
+    emb_device = emb.weight.device if emb is not None else _param_device(model)
+    try:
+        for b in batch_list:
+            current.update(layers=[None] * len(layers), memo={}, hidden=None)
+            try:
+                model(input_ids=b.input_ids.to(emb_device), attention_mask=b.attention_mask.to(emb_device),
+                      use_cache=False)
+            except _StopForward:
+                pass
+            if current["hidden"] is None or any(r is None for r in current["layers"]):
+                raise models.UnsupportedModelError(
+                    f"{type(model).__name__}: the forward did not call every decoder layer in order")
+            hidden.append(current["hidden"])
+            inputs.append(current["layers"])
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+    return hidden, inputs
+
+
+def _run_layer(layer, hs, rest, kwargs):
+    out = layer(hs, *rest, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _check_shapes(prefix, targets, quant):
+    gs = quant.group_size
+    if gs == -1:
+        return
+    for i, t in enumerate(targets):
+        dims = [(n, m.in_features) for n, m in t.linears.items()]
+        for n, (_, lay) in t.experts.items():
+            dims += [(f"{n}.{lay.up_name}", lay.hidden), (f"{n}.down_proj", lay.inter)]
+        for n, cols in dims:
+            if cols % gs:
+                raise ValueError(f"{prefix}.{i}.{n}: {cols} input columns are not a multiple of group_size {gs} "
+                                 f"(exclude it with exclude=[...] or choose another group_size)")
+
+
+def _param_specs(prefix, targets):
+    specs = {}
+    for i, t in enumerate(targets):
+        for n, m in t.linears.items():
+            specs[f"{prefix}.{i}.{n}.weight"] = (None, m.out_features, False)
+        for n, (_, lay) in t.experts.items():
+            out_up = 2 * lay.inter if lay.gated else lay.inter
+            specs[f"{prefix}.{i}.{n}.{lay.up_name}"] = (lay.num_experts, out_up, lay.transposed)
+            specs[f"{prefix}.{i}.{n}.down_proj"] = (lay.num_experts, lay.hidden, lay.transposed)
+    return specs
+
+
+def _layer_parts(collector, target, layer_idx, prefix, moe_threshold):
+    """The matrices of one layer with their Hessians, token counts and where their results go."""
+    parts = []
+    base = f"{prefix}.{layer_idx}"
+    for name, module in target.linears.items():
+        key = collector.tie.get(name)
+        got = collector.hessian(key) if key is not None else None
+        h, tokens = (None, 0) if got is None else got
+        parts.append(Part(f"{base}.{name}", "linear", to_jax(module.weight, name=name)[None], h, [tokens],
+                          1, f"{base}.{key}" if key else "", param=f"{base}.{name}.weight", module=module))
+    for name, (module, lay) in target.experts.items():
+        up = getattr(module, lay.up_name)
+        for kind, param, pname in (("expert_gate_up", up, lay.up_name), ("expert_down", module.down_proj,
+                                                                        "down_proj")):
+            key = (name, "gate_up" if kind == "expert_gate_up" else "down")
+            got = collector.hessian(key)
+            if got is None:
+                h, tokens = None, [0] * lay.num_experts
+            else:
+                h, tokens = got
+                tokens = tokens if isinstance(tokens, list) else [tokens] * lay.num_experts
+            w = to_jax(lay.linear(param.detach()), name=f"{name}.{pname}")
+            parts.append(Part(f"{base}.{name}.{pname}", kind, w, h, tokens, moe_threshold,
+                              f"{base}.{name}.{key[1]}", param=f"{base}.{name}.{pname}", module=param,
+                              transposed=lay.transposed))
+    return parts
+
+
+def _write_back(part, weight):
+    """Copies the dequantized float32 (N, R, C) ``weight`` into the part's torch parameter, in place."""
+    src = weight
+    if part.kind == "linear":
+        dst = part.module.weight
+        src = src[0]
+    else:
+        dst = part.module.transpose(1, 2) if part.transposed else part.module
+    with torch.no_grad():
+        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+
+
+def _store(weights, names, part, res, cfg):
+    """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them)."""
+    q = cfg.quant
+    codes, scales, zeros = (np.asarray(a) for a in (res.codes, res.scales, res.zeros))
+    g_idx, perm = np.asarray(res.g_idx), np.asarray(res.perm)
+    method = res.method
+    for key, expert, rows in names[part.param]:
+        rows = rows.numpy()
+        common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, transposed=part.transposed)
+        if part.kind == "linear" or expert is not None:
+            e = 0 if expert is None else expert
+            weights[key] = QuantizedWeight(key, codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
+                                           perm[e], method=method[e], **common)
+        else:
+            n, r = codes.shape[:2]
+            if not np.array_equal(rows, np.arange(n * r)):
+                raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
+            weights[key] = QuantizedWeight(key, codes, scales, zeros, g_idx, perm,
+                                           method="gptq" if all(m == "gptq" for m in method) else "mixed",
+                                           **common)
+
+
+def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
+                 **kwargs) -> QuantizeResult:
+    """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
+
+    Args:
+      torch_model: a transformers causal LM (dense or MoE), on any device.
+      calib: calibration data (see :mod:`interop.calib`).
+      config: a :class:`jgptq.config.PipelineConfig`, a :class:`jgptq.config.QuantConfig`, or None.
+      tokenizer: needed when ``calib`` is text.
+      device: torch device each layer runs on (default: the device of the first decoder layer).
+      devices: JAX devices for the solves (passed on to the multi-device solver; None = default device).
+      **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``...).
+    Returns:
+      A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report).
+    Raises:
+      ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
+        NaN/Inf activations; ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into.
+    """
+    cfg = PipelineConfig.build(config, **kwargs)
+    model = torch_model
+    prefix, layers = models.find_decoder_layers(model)
+    targets = [models.layer_targets(layer, cfg.exclude) for layer in layers]
+    if not any(t.linears or t.experts for t in targets):
+        raise ValueError(f"{type(model).__name__}: nothing to quantize (no linear or experts weights in "
+                         f"{prefix} after exclusions {list(cfg.exclude)})")
+    _check_shapes(prefix, targets, cfg.quant)
+    names = models.checkpoint_names(model, _param_specs(prefix, targets))
+    batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size,
+                                   max_length=cfg.max_length)
+    n_tokens = calib_mod.token_count(batch_list)
+    run_device = torch.device(device) if device is not None else _param_device(layers[0])
+    report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
+    report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
+    result = QuantizeResult(model, {}, report)
+    has_experts = any(t.experts for t in targets)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), (capture.experts_implementation(model) if has_experts else _null()):
+            t0 = time.perf_counter()
+            hidden, layer_inputs = capture_inputs(model, layers, batch_list, run_device)
+            report.add_time(0, "capture", time.perf_counter() - t0)
+            bar = tqdm(list(enumerate(layers)), desc="jgptq layers", disable=not cfg.progress)
+            for i, layer in bar:
+                home = _param_device(layer)
+                layer.to(run_device)
+                hidden = _process_layer(i, layer, targets[i], hidden, layer_inputs, batch_list, names, cfg,
+                                        prefix, report, result, devices, last=i == len(layers) - 1)
+                layer.to(home)
+    finally:
+        model.train(was_training)
+    for w in report.warnings:
+        warnings.warn(w, stacklevel=2)
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cfg, prefix, report, result,
+                   devices, last):
+    show = cfg.progress
+    collector = capture.Collector(target.linears, target.experts,
+                                  all_experts=cfg.moe.calibration == "all_experts", input_dtype=cfg.hessian_dtype)
+    t0 = time.perf_counter()
+    if target.linears or target.experts:
+        with collector.attach():
+            for b, batch in enumerate(tqdm(batch_list, desc=f"layer {i} calibrate", leave=False, disable=not show)):
+                rest, kw = layer_inputs[b][i]
+                with collector.batch(batch.attention_mask.to(hidden[b].device)):
+                    _run_layer(layer, hidden[b], rest, kw)
+        jax.block_until_ready([s for s in collector.states.values()])
+    report.add_time(i, "calibrate", time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    layer_tokens = collector.batch_tokens
+    threshold = cfg.moe.threshold(layer_tokens)
+    parts = _layer_parts(collector, target, i, prefix, threshold)
+    for name, counts in collector.routed.items():
+        full = f"{prefix}.{i}.{name}"
+        if layer_tokens and not sum(counts):
+            raise models.UnsupportedModelError(f"{full}: the experts forward never reached jgptq's capture "
+                                               f"implementation; its routed tokens cannot be seen")
+        report.coverage[full] = list(counts)
+        report.thresholds[full] = threshold
+    if cfg.keep_hessians:
+        for key in collector.states:
+            result.hessians[(i, key)] = collector.hessian(key)
+    solved = solve_layer(parts, cfg, devices=devices)
+    collector.release()
+    report.add_time(i, "solve", time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    for part, res in solved:
+        _write_back(part, res.weight)
+        _store(result.weights, names, part, res, cfg)
+        _record(report, part, res, i, cfg)
+    report.add_time(i, "write", time.perf_counter() - t0)
+
+    if last:
+        return hidden
+    t0 = time.perf_counter()
+    out = []
+    for b, hs in enumerate(tqdm(hidden, desc=f"layer {i} replay", leave=False, disable=not show)):
+        rest, kw = layer_inputs[b][i]
+        out.append(_run_layer(layer, hs, rest, kw))
+    report.add_time(i, "replay", time.perf_counter() - t0)
+    return out
+
+
+def _record(report, part, res, layer_idx, cfg):
+    loss, damp, stage = (np.asarray(a).tolist() for a in (res.loss, res.damp_used, res.damp_stage))
+    fallback, dead = np.asarray(res.fallback).tolist(), np.asarray(res.dead_columns).tolist()
+    n, r, c = part.weight.shape
+    low = []
+    for e in range(n):
+        name = part.name if part.kind == "linear" else f"{part.name}[{e}]"
+        reason = res.reason[e]
+        if reason and cfg.method == "gptq":
+            low.append(e)
+        report.records.append(ModuleRecord(
+            name=name, layer=layer_idx, kind=part.kind, shape=(r, c), tokens=int(part.tokens[e]),
+            method=res.method[e], reason=reason, loss=float(loss[e]), damp_used=float(damp[e]),
+            damp_stage=int(stage[e]), fallback=bool(fallback[e]), dead_columns=int(dead[e]), hessian=part.hkey))
+        if fallback[e]:
+            report.warnings.append(f"{name}: no damping made the Hessian positive definite; round-to-nearest used")
+    if low:
+        what = "module" if part.kind == "linear" else f"experts {low} of"
+        report.warnings.append(f"{what} {part.name}: fewer than {part.threshold} calibration tokens "
+                               f"({[int(part.tokens[e]) for e in low]}); round-to-nearest used")

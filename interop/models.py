@@ -1,0 +1,241 @@
+"""What jgptq needs to know about a transformers model's structure, read from the model itself where possible.
+
+- :func:`find_decoder_layers`: the list of decoder layers (the ``ModuleList`` whose members are the classes the
+  model names in ``_no_split_modules``).
+- :func:`layer_targets`: the weights of one decoder layer to quantize: ``nn.Linear`` modules and fused experts
+  modules (those decorated with transformers' ``use_experts_implementation``, which describe their own layout with
+  the ``is_transposed`` / ``is_concatenated`` / ``has_gate`` / ``has_bias`` flags). Routers, embeddings and the
+  output head are never targets.
+- :class:`ExpertsLayout`: the nn.Linear-orientation (out, in) view of every expert's fused weights.
+- :func:`checkpoint_names`: where each row of a target lands in a checkpoint written by ``save_pretrained``
+  (fused experts are split into per-expert names by transformers' own reverse weight conversion).
+
+The only per-architecture facts kept here are for models that do not describe themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model's module layout is one jgptq cannot quantize faithfully."""
+
+
+# Relative names (inside a decoder layer) of linear modules that route rather than transform: quantizing them
+# changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
+ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$")
+
+# Experts classes that hold 3-D expert weights but do not dispatch through transformers' experts interface.
+UNDISPATCHED_EXPERTS = {
+    "Llama4TextExperts": "Llama4 experts receive every token pre-scaled by its routing score and are not "
+                         "dispatched through the experts interface",
+}
+
+# Flags set by ``use_experts_implementation`` and their values when an older transformers does not set them.
+FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
+                 "has_post_expert_norm": False}
+
+
+def flag(module, name: str) -> bool:
+    """An experts module's layout flag (its default when the installed transformers does not set it)."""
+    return bool(getattr(module, name, FLAG_DEFAULTS[name]))
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder layers of ``model``: (qualified name of the ModuleList, the list).
+
+    Raises:
+      UnsupportedModelError: no ModuleList of the model's ``_no_split_modules`` classes (or of one repeated
+        class) was found.
+    """
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        kinds = {type(m).__name__ for m in module}
+        if len(kinds) != 1:
+            continue
+        score = (next(iter(kinds)) in wanted, len(module))
+        if best is None or score > best[0]:
+            best = (score, name, module)
+    if best is None or (wanted and not best[0][0] and best[0][1] < 2):
+        raise UnsupportedModelError(f"{type(model).__name__}: no list of decoder layers found "
+                                    f"(looked for a ModuleList of {sorted(wanted) or 'one repeated class'})")
+    return best[1], best[2]
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for a fused-experts module decorated with transformers' ``use_experts_implementation``."""
+    down = getattr(module, "down_proj", None)
+    return (isinstance(down, nn.Parameter) and down.ndim == 3 and hasattr(module, "num_experts")
+            and (hasattr(module, "has_gate") or hasattr(module, "is_transposed")))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How one fused-experts module stores its weights (read from its flags).
+
+    Attributes:
+      up_name: ``"gate_up_proj"`` (gated) or ``"up_proj"``.
+      transposed: weights stored (E, in, out) instead of nn.Linear's (E, out, in).
+      concatenated: gate/up rows stored as [gate; up] halves (False: interleaved g0, u0, g1, u1, ...).
+      gated, biased, post_norm: the remaining flags.
+      num_experts, hidden, inter: E, the hidden size and the expert width.
+    """
+
+    up_name: str
+    transposed: bool
+    concatenated: bool
+    gated: bool
+    biased: bool
+    post_norm: bool
+    num_experts: int
+    hidden: int
+    inter: int
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "ExpertsLayout":
+        gated = flag(module, "has_gate")
+        up_name = "gate_up_proj" if gated else "up_proj"
+        up = getattr(module, up_name, None)
+        if not isinstance(up, nn.Parameter) or up.ndim != 3:
+            raise UnsupportedModelError(f"{type(module).__name__}: expected a 3-D parameter {up_name!r}")
+        e, a, b = module.down_proj.shape
+        transposed = flag(module, "is_transposed")
+        hidden, inter = (b, a) if transposed else (a, b)
+        out_up = up.shape[2] if transposed else up.shape[1]
+        in_up = up.shape[1] if transposed else up.shape[2]
+        if in_up != hidden or out_up != (2 * inter if gated else inter) or up.shape[0] != e:
+            raise UnsupportedModelError(f"{type(module).__name__}: {up_name} {tuple(up.shape)} and down_proj "
+                                        f"{tuple(module.down_proj.shape)} are not a consistent experts layout")
+        return cls(up_name, transposed, flag(module, "is_concatenated"), gated, flag(module, "has_bias"),
+                   flag(module, "has_post_expert_norm"), e, hidden, inter)
+
+    def linear(self, param: torch.Tensor) -> torch.Tensor:
+        """(E, out, in) view of a stored 3-D weight (a transposed view when the storage is (E, in, out))."""
+        return param.transpose(1, 2) if self.transposed else param
+
+    def gate_up_rows(self) -> tuple[slice, slice]:
+        """Rows of the (2I, H) gate_up matrix holding gate and up."""
+        if self.concatenated:
+            return slice(0, self.inter), slice(self.inter, 2 * self.inter)
+        return slice(0, 2 * self.inter, 2), slice(1, 2 * self.inter, 2)
+
+
+@dataclasses.dataclass
+class LayerTargets:
+    """The quantization targets of one decoder layer (names relative to the layer)."""
+
+    linears: dict          # name -> nn.Linear
+    experts: dict          # name -> (module, ExpertsLayout)
+    skipped: list          # names of parameters left in floating point, with the reason
+
+
+def _is_router(name: str) -> bool:
+    return any(re.search(p, name) for p in ROUTER_PATTERNS)
+
+
+def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
+    """Finds what to quantize in one decoder layer.
+
+    Args:
+      layer: a decoder layer.
+      exclude: extra regular expressions over relative module names to leave unquantized.
+    Raises:
+      UnsupportedModelError: a 3-D (or higher) weight outside a dispatchable experts module.
+    """
+    linears, experts, skipped = {}, {}, []
+    inside = []
+    for name, module in layer.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in inside):
+            continue
+        cls = type(module).__name__
+        if cls in UNDISPATCHED_EXPERTS:
+            raise UnsupportedModelError(f"{name} ({cls}): {UNDISPATCHED_EXPERTS[cls]}; jgptq cannot see its routed "
+                                        f"tokens")
+        if is_experts_module(module):
+            inside.append(name)
+            if any(re.search(p, name) for p in exclude):
+                skipped.append((name, "excluded"))
+                continue
+            experts[name] = (module, ExpertsLayout.of(module))
+            continue
+        if isinstance(module, nn.Linear):
+            if _is_router(name):
+                skipped.append((name, "router"))
+            elif any(re.search(p, name) for p in exclude):
+                skipped.append((name, "excluded"))
+            else:
+                linears[name] = module
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.ndim >= 3:
+                raise UnsupportedModelError(
+                    f"{name}.{pname} ({cls}): {p.ndim}-D weight {tuple(p.shape)} outside an experts module "
+                    f"decorated with transformers' use_experts_implementation; jgptq cannot see its inputs")
+            if p.ndim == 2:
+                skipped.append((f"{name}.{pname}" if name else pname, f"{cls} parameter"))
+    return LayerTargets(linears, experts, skipped)
+
+
+def checkpoint_names(model: nn.Module, params: dict) -> dict:
+    """Where the output rows of each target land in a ``save_pretrained`` checkpoint.
+
+    Args:
+      model: the transformers model.
+      params: qualified parameter name -> (num_experts or None, out_features, transposed): 2-D linear weights
+        (None) or 3-D fused expert weights.
+    Returns:
+      qualified parameter name -> list of (checkpoint key, expert index or None for a fused key, row indices
+      (LongTensor) of the nn.Linear-orientation (out, in) matrix that the key holds).
+    """
+    proxies, spans, base = {}, {}, 0
+    for name, (experts, out, transposed) in params.items():
+        n = (experts or 1) * out
+        ids = base + torch.arange(n, dtype=torch.int64)
+        if experts is None:
+            proxies[name] = ids.reshape(out, 1)
+        else:
+            ids = ids.reshape(experts, out)
+            proxies[name] = ids[:, None, :] if transposed else ids[:, :, None]
+        spans[name] = (base, experts, out)
+        base += n
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(proxies))
+    except Exception:  # no conversion machinery: keys stay as they are
+        reverted = proxies
+    owner = {}
+    for key, tensor in reverted.items():
+        flat = tensor.reshape(-1)
+        if flat.numel() == 0:
+            continue
+        first = int(flat[0])
+        for name, (start, experts, out) in spans.items():
+            if start <= first < start + (experts or 1) * out:
+                owner.setdefault(name, []).append((key, flat - start, experts, out))
+                break
+    names = {}
+    for name, entries in owner.items():
+        rows = []
+        for key, local, experts, out in entries:
+            if experts is None:
+                rows.append((key, None, local))
+                continue
+            expert_ids = torch.unique(local // out)
+            if len(expert_ids) == 1:
+                rows.append((key, int(expert_ids[0]), local % out))
+            else:
+                rows.append((key, None, local))
+        names[name] = rows
+    missing = set(params) - set(names)
+    if missing:
+        raise UnsupportedModelError(f"checkpoint names could not be derived for {sorted(missing)}")
+    return names

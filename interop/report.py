@@ -1,0 +1,199 @@
+"""What a quantization run produced: the quantized tensors (for exporters) and a report (for people).
+
+- :class:`QuantizedWeight`: codes, scales, zeros, g_idx, perm of one checkpoint tensor, named as
+  ``save_pretrained`` writes it (fused experts split per expert, e.g.
+  ``model.layers.3.mlp.experts.17.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.17.w1.weight``). The
+  dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` in nn.Linear (out, in) orientation.
+- :class:`Report`: one :class:`ModuleRecord` per solved matrix (loss, damping, fallback, tokens, dead columns),
+  expert coverage per MoE layer, seconds per stage per layer, warnings. ``report.to_json(path)`` writes it,
+  ``print(report)`` / ``report.summary()`` shows a table.
+- :class:`QuantizeResult`: the model (quantized in place), ``weights`` (name -> QuantizedWeight), ``report``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """One quantized checkpoint tensor, in nn.Linear (out, in) orientation.
+
+    Attributes:
+      name: checkpoint key (``...weight``; a fused key such as ``...experts.gate_up_proj`` keeps a leading
+        expert axis on every array, and ``transposed`` says the checkpoint stores it as (E, in, out)).
+      codes: uint8 (R, C) (or (E, R, C)) integer codes in [0, 2**bits - 1].
+      scales, zeros: float32 (R, G) grid scales and zero points.
+      g_idx: int32 (C,) group of every input column; perm: int32 (C,) the solve order.
+      bits, group_size, sym: the grid.
+      method: ``"gptq"`` or ``"rtn"`` (round-to-nearest: a baseline run or an under-calibrated expert).
+      transposed: the checkpoint tensor is stored (E, in, out).
+    """
+
+    name: str
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    g_idx: np.ndarray
+    perm: np.ndarray
+    bits: int
+    group_size: int
+    sym: bool
+    method: str = "gptq"
+    transposed: bool = False
+
+    def dequantize(self) -> np.ndarray:
+        """float32 weight ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` (leading expert axis kept)."""
+        idx = np.broadcast_to(self.g_idx[..., None, :], self.codes.shape)
+        s = np.take_along_axis(self.scales, idx, axis=-1)
+        z = np.take_along_axis(self.zeros, idx, axis=-1)
+        return (s * (self.codes.astype(np.float32) - z)).astype(np.float32)
+
+
+@dataclasses.dataclass
+class ModuleRecord:
+    """One solved matrix: a linear module, or one expert's fused gate/up or down projection."""
+
+    name: str
+    layer: int
+    kind: str                    # "linear" | "expert_gate_up" | "expert_down"
+    shape: tuple
+    tokens: int
+    method: str                  # "gptq" | "rtn"
+    reason: str = ""             # why rtn, when it is
+    loss: float = float("nan")
+    damp_used: float = float("nan")
+    damp_stage: int = -1
+    fallback: bool = False       # no damping made the Hessian positive definite (round-to-nearest)
+    dead_columns: int = 0
+    hessian: str = ""            # the Hessian it shares (tie leader)
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-module results, expert coverage, timings and warnings of one run."""
+
+    config: dict
+    model: str = ""
+    calibration_tokens: int = 0
+    records: list = dataclasses.field(default_factory=list)
+    coverage: dict = dataclasses.field(default_factory=dict)     # experts module -> tokens per expert
+    thresholds: dict = dataclasses.field(default_factory=dict)   # experts module -> min tokens for GPTQ
+    timings: dict = dataclasses.field(default_factory=dict)      # layer index -> {stage: seconds}
+    skipped: list = dataclasses.field(default_factory=list)      # (name, reason) left in floating point
+    warnings: list = dataclasses.field(default_factory=list)
+
+    def add_time(self, layer: int, stage: str, seconds: float):
+        stages = self.timings.setdefault(int(layer), {})
+        stages[stage] = stages.get(stage, 0.0) + float(seconds)
+
+    def stage_totals(self) -> dict:
+        total: dict = {}
+        for stages in self.timings.values():
+            for k, v in stages.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def fallbacks(self) -> list:
+        """Records quantized by round-to-nearest in a GPTQ run, or whose damping ladder failed."""
+        return [r for r in self.records if r.fallback or (r.method == "rtn" and r.reason)]
+
+    def to_dict(self) -> dict:
+        def clean(v):
+            if isinstance(v, float) and not np.isfinite(v):
+                return None
+            return v
+
+        records = [{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in self.records]
+        return {
+            "model": self.model, "config": self.config, "calibration_tokens": self.calibration_tokens,
+            "records": records, "coverage": self.coverage, "thresholds": self.thresholds,
+            "timings": {str(k): v for k, v in self.timings.items()}, "stage_totals": self.stage_totals(),
+            "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings),
+        }
+
+    def to_json(self, path: Optional[str] = None, **kwargs) -> str:
+        """The report as JSON text (also written to ``path`` when given)."""
+        text = json.dumps(self.to_dict(), indent=kwargs.pop("indent", 1), **kwargs)
+        if path is not None:
+            with open(path, "w") as fh:
+                fh.write(text)
+        return text
+
+    def coverage_table(self, full: bool = False) -> str:
+        """Tokens routed to each expert: one summary line per experts module, or (``full``) every expert's count,
+        ``*`` marking those below the GPTQ threshold (round-to-nearest)."""
+        lines = []
+        for name, counts in self.coverage.items():
+            if full:
+                thr = self.thresholds.get(name, 1)
+                cells = [f"{e:>4}:{c:>7}{'*' if c < thr else ' '}" for e, c in enumerate(counts)]
+                lines.append(f"{name} (threshold {thr})")
+                lines += ["  " + " ".join(cells[i:i + 8]) for i in range(0, len(cells), 8)]
+                continue
+            thr = self.thresholds.get(name, 1)
+            low = [e for e, c in enumerate(counts) if c < thr]
+            lines.append(f"{name}: {len(counts)} experts, tokens min {min(counts)} / median "
+                         f"{statistics.median(counts):g} / max {max(counts)}; below {thr}: "
+                         f"{low if low else 'none'}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """A plain-text table: one line per layer, then coverage, stage times and warnings."""
+        rows = [f"{'layer':>5} {'matrices':>8} {'gptq':>5} {'rtn':>4} {'fallback':>8} {'dead':>5} "
+                f"{'mean loss':>11} {'max loss':>11} {'seconds':>8}"]
+        by_layer: dict = {}
+        for r in self.records:
+            by_layer.setdefault(r.layer, []).append(r)
+        for layer in sorted(by_layer):
+            recs = by_layer[layer]
+            losses = [r.loss for r in recs if np.isfinite(r.loss)]
+            secs = sum(self.timings.get(layer, {}).values())
+            rows.append(f"{layer:>5} {len(recs):>8} {sum(r.method == 'gptq' for r in recs):>5} "
+                        f"{sum(r.method == 'rtn' for r in recs):>4} {sum(r.fallback for r in recs):>8} "
+                        f"{sum(r.dead_columns for r in recs):>5} "
+                        f"{(np.mean(losses) if losses else float('nan')):>11.4g} "
+                        f"{(max(losses) if losses else float('nan')):>11.4g} {secs:>8.2f}")
+        out = ["jgptq report" + (f" for {self.model}" if self.model else "")
+               + f" ({self.calibration_tokens} calibration tokens)", *rows]
+        if self.coverage:
+            out += ["expert coverage:", self.coverage_table()]
+            low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}
+            if low:  # every expert's count where some fell back to round-to-nearest
+                out.append(Report(config={}, coverage=low, thresholds=self.thresholds).coverage_table(full=True))
+        totals = self.stage_totals()
+        if totals:
+            out.append("seconds per stage: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
+        if self.skipped:
+            out.append(f"left in floating point: {len(self.skipped)} parameters")
+        for w in self.warnings:
+            out.append(f"warning: {w}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    """What :func:`jgptq.quantize_moe` returns.
+
+    Attributes:
+      model: the torch model, its targeted weights replaced in place by their dequantized values.
+      weights: checkpoint key -> :class:`QuantizedWeight` (everything an exporter needs; no re-quantization).
+      report: the :class:`Report`.
+      hessians: (layer, Hessian key) -> (finalized Hessian jax.Array, token counts) when ``keep_hessians``.
+    """
+
+    model: object
+    weights: dict
+    report: Report
+    hessians: dict = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.report.summary()

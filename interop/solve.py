@@ -1,0 +1,161 @@
+"""The solve step of the layerwise pipeline: one batched call per shape bucket of a decoder layer.
+
+A :class:`Part` is a stack of same-shape matrices with their Hessians: one linear module (a stack of one), or
+every expert's gate/up (or down) projection of an experts module. Expert parts of equal (rows, columns) form a
+bucket, and so do linear parts; a bucket is solved by a single :func:`solve_bucket` call:
+
+- Hessians shared by every matrix of the bucket (a tie: gate/up of a dense MLP, or all experts' gate/up under
+  ``all_experts`` calibration) are passed once, as a (C, C) matrix, so the factorization is shared too;
+- a matrix whose Hessian saw fewer tokens than its threshold (an expert rarely or never routed to) gets the
+  identity as its Hessian, for which GPTQ is exactly round-to-nearest; it is reported as ``rtn`` with the reason;
+- ``method="rtn"`` skips GPTQ and rounds every matrix to nearest on the same grids (a baseline).
+
+:func:`solve_bucket` is the one place a solve happens: the multi-device solver (same signature plus
+``devices=``) replaces its body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+from interop.dlpack import to_torch
+from jgptq import gptq
+from jgptq.config import QuantConfig
+from jgptq.quantizers import uniform
+
+
+@dataclasses.dataclass
+class Part:
+    """A stack of N same-shape matrices of one layer.
+
+    Attributes:
+      name: qualified module/parameter name (for messages and the report).
+      kind: ``"linear"``, ``"expert_gate_up"`` or ``"expert_down"``.
+      weight: jax (N, R, C) in nn.Linear orientation (any float dtype).
+      hessian: jax (C, C) shared by the N matrices, (N, C, C), or None (never fed: every matrix falls back).
+      tokens: N token counts; threshold: fewest tokens for GPTQ.
+      hkey: name of the Hessian (equal names = the same Hessian).
+      param, module, transposed: where the result goes (checkpoint lookup name; the nn.Linear or 3-D Parameter;
+        whether the parameter stores (E, in, out)).
+    """
+
+    name: str
+    kind: str
+    weight: jax.Array
+    hessian: Optional[jax.Array]
+    tokens: list
+    threshold: int
+    hkey: str
+    param: str = ""
+    module: object = None
+    transposed: bool = False
+
+
+class PartResult(NamedTuple):
+    """Results of a part with the leading axis N (fields as :class:`jgptq.gptq.GPTQResult`): ``weight`` a float32
+    torch tensor (sharing the solver's output buffer), the rest numpy arrays, plus the method and the fallback
+    reason of each matrix."""
+
+    weight: object
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    g_idx: np.ndarray
+    perm: np.ndarray
+    loss: np.ndarray
+    damp_used: np.ndarray
+    damp_stage: np.ndarray
+    fallback: np.ndarray
+    dead_columns: np.ndarray
+    method: list
+    reason: list
+
+
+def solve_bucket(weights, hessians, config: QuantConfig, *, name: str = "experts", devices=None):
+    """Solves a stack of same-shape matrices (see :func:`jgptq.gptq.solve_experts`; ``devices`` is for the
+    multi-device solver and unused on one device)."""
+    return gptq.solve_experts(weights, hessians, config, name=name)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _rtn(weights, config):
+    codes, grid, deq = jax.vmap(lambda w: uniform.round_to_nearest(w.astype(jnp.float32), config))(weights)
+    n, _, c = weights.shape
+    gs = c if config.group_size == -1 else config.group_size
+    g_idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32) // gs, (n, c))
+    perm = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c))
+    nan = jnp.full((n,), jnp.nan, jnp.float32)
+    return gptq.GPTQResult(deq, nan, perm, g_idx, codes, grid.scale, grid.zero, None, nan,
+                           jnp.full((n,), -1, jnp.int32), jnp.zeros((n,), bool), jnp.zeros((n,), jnp.int32))
+
+
+@jax.jit
+def _identity_where(hessians, mask):
+    eye = jnp.eye(hessians.shape[-1], dtype=jnp.float32)
+    return jnp.where(mask[:, None, None], eye, hessians.astype(jnp.float32))
+
+
+def _bucket_hessians(parts, low):
+    """(C, C) when every matrix shares one Hessian and none falls back, else (N, C, C) with identities."""
+    c = parts[0].weight.shape[-1]
+    keys = {p.hkey for p in parts}
+    shared = len(keys) == 1 and all(p.hessian is None or p.hessian.ndim == 2 for p in parts)
+    if shared and not any(low):
+        return next(p.hessian for p in parts)
+    if shared and all(low):
+        return jnp.eye(c, dtype=jnp.float32)
+    pieces = []
+    for p in parts:
+        n = p.weight.shape[0]
+        h = p.hessian if p.hessian is not None else jnp.zeros((c, c), jnp.float32)
+        pieces.append(jnp.broadcast_to(h, (n, c, c)) if h.ndim == 2 else h)
+    if len(pieces) == 1 and pieces[0].ndim == 3 and not any(low) and pieces[0].dtype == jnp.float32:
+        return pieces[0]
+    stacked = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+    return _identity_where(stacked, jnp.asarray(low))
+
+
+def solve_layer(parts: list, cfg, *, devices=None) -> list:
+    """Solves every part of a layer, one call per bucket (experts or linear, rows, columns); returns
+    [(part, PartResult)]."""
+    buckets: dict = {}
+    for p in parts:
+        # experts and linear modules apart: each kind then has the same buckets in every layer of a kind, so the
+        # compiled solves are reused from layer to layer
+        buckets.setdefault((p.kind != "linear",) + tuple(p.weight.shape[1:]), []).append(p)
+    out = []
+    for shape in sorted(buckets):
+        group = buckets[shape]
+        low, reasons = [], []
+        for p in group:
+            for t in p.tokens:
+                is_low = cfg.method == "gptq" and t < p.threshold
+                low.append(is_low)
+                reasons.append(f"{t} tokens < {p.threshold}" if is_low else "")
+        weights = group[0].weight if len(group) == 1 else jnp.concatenate([p.weight for p in group])
+        if cfg.method == "rtn":
+            res = _rtn(weights, cfg.quant)
+        else:
+            hess = _bucket_hessians(group, low)
+            names = ", ".join(p.name for p in group)
+            # the solver checks shapes and finiteness; a NaN/Inf Hessian means NaN/Inf calibration activations
+            res = solve_bucket(weights, hess, cfg.quant, name=f"{names} ({shape[1]}x{shape[2]})", devices=devices)
+        weight = to_torch(res.weight, name=group[0].name)
+        host = {f: np.asarray(getattr(res, f)) for f in PartResult._fields[1:-2]}
+        host["loss"] = np.where(np.asarray(low), np.nan, host["loss"])  # no GPTQ loss for fallbacks
+        start = 0
+        for p in group:
+            n = p.weight.shape[0]
+            sl = slice(start, start + n)
+            method = ["rtn" if (cfg.method == "rtn" or low[start + e]) else "gptq" for e in range(n)]
+            out.append((p, PartResult(weight[sl], **{f: a[sl] for f, a in host.items()}, method=method,
+                                      reason=reasons[sl])))
+            start += n
+    return out

@@ -1,0 +1,140 @@
+import numpy as np
+import pytest
+import torch
+
+from interop import capture, models
+from tests.tiny_models import build, token_ids
+
+
+def all_experts_modules(model):
+    return {n: (m, models.ExpertsLayout.of(m)) for n, m in model.named_modules() if models.is_experts_module(m)}
+
+
+def logits_with(model, ids, impl, collector=None):
+    model.set_experts_implementation(impl)
+    with torch.no_grad():
+        if collector is None:
+            return model(ids).logits
+        with collector.attach(), collector.batch(torch.ones_like(ids)):
+            return model(ids).logits
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_capture_implementation_computes_the_eager_output(family):
+    model = build(family)
+    ids = token_ids(2, 12, seed=3)
+    eager = logits_with(model, ids, "eager")
+    capture._register()
+    plain = logits_with(model, ids, capture.IMPLEMENTATION)
+    torch.testing.assert_close(plain, eager, rtol=0, atol=2e-6)
+    experts = all_experts_modules(model)
+    routed = logits_with(model, ids, capture.IMPLEMENTATION, capture.Collector({}, experts))
+    every = logits_with(model, ids, capture.IMPLEMENTATION, capture.Collector({}, experts, all_experts=True))
+    assert torch.equal(routed, plain) and torch.equal(every, plain)  # all-experts keeps the routed output exactly
+
+
+def test_layout_flags_are_read_from_the_modules():
+    lay = models.ExpertsLayout.of(build("gpt_oss").model.layers[0].mlp.experts)
+    assert (lay.transposed, lay.concatenated, lay.biased, lay.gated) == (True, False, True, True)
+    assert (lay.num_experts, lay.hidden, lay.inter) == (4, 64, 32)
+    assert lay.gate_up_rows() == (slice(0, 64, 2), slice(1, 64, 2))
+    lay = models.ExpertsLayout.of(build("qwen3_moe").model.layers[0].mlp.experts)
+    assert (lay.transposed, lay.concatenated, lay.biased) == (False, True, False)
+    assert lay.gate_up_rows() == (slice(0, 32), slice(32, 64))
+
+
+def test_routers_and_shared_expert_gates_are_not_targets():
+    t = models.layer_targets(build("qwen2_moe").model.layers[0])
+    assert "mlp.shared_expert_gate" not in t.linears and ("mlp.shared_expert_gate", "router") in t.skipped
+    assert {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "self_attn.q_proj"} <= set(t.linears)
+    assert list(t.experts) == ["mlp.experts"]
+    assert any(n == "mlp.gate.weight" for n, _ in t.skipped)     # the router's plain parameter stays float
+    t = models.layer_targets(build("gpt_oss").model.layers[0])
+    assert "mlp.router" not in t.linears and list(t.experts) == ["mlp.experts"]
+
+
+def reference_layer0(model, ids, mask):
+    """Float64 Hessians of layer 0's experts, from hooks on an eager run (independent of the capture path)."""
+    mlp = model.model.layers[0].mlp
+    seen = {}
+    h1 = mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().clone()))
+    h2 = mlp.gate.register_forward_hook(lambda m, a, o: seen.__setitem__("idx", o[2].detach().clone()))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    h1.remove()
+    h2.remove()
+    x = seen["x"].reshape(-1, seen["x"].shape[-1]).double().numpy()
+    idx = seen["idx"].numpy()
+    keep = mask.reshape(-1).bool().numpy()
+    gate_up = mlp.experts.gate_up_proj.detach().double().numpy()
+    inter = mlp.experts.down_proj.shape[-1]
+    out = []
+    for e in range(gate_up.shape[0]):
+        rows = keep & (idx == e).any(-1)
+        xe = x[rows]
+        g, u = xe @ gate_up[e, :inter].T, xe @ gate_up[e, inter:].T
+        act = g / (1 + np.exp(-g)) * u
+        out.append((int(rows.sum()), 2 * xe.T @ xe / max(len(xe), 1), 2 * act.T @ act / max(len(xe), 1)))
+    return out
+
+
+def test_expert_hessians_equal_a_float64_reference_and_exclude_padding():
+    import jgptq
+
+    model = build("qwen3_moe")
+    ids = token_ids(4, 16, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[3, 4:] = 0
+    ref = reference_layer0(model, ids, mask)
+    calib = {"input_ids": ids, "attention_mask": mask}
+    res = jgptq.quantize_moe(model, calib, method="rtn", bits=4, group_size=16, keep_hessians=True, progress=False,
+                             batch_size=4)
+    (h_up, n_up), (h_down, n_down) = (res.hessians[(0, ("mlp.experts", k))] for k in ("gate_up", "down"))
+    assert n_up == n_down == [r[0] for r in ref]
+    assert sum(n_up) == 2 * int(mask.sum())
+    assert res.report.coverage["model.layers.0.mlp.experts"] == n_up
+    for e, (n, hu, hd) in enumerate(ref):
+        np.testing.assert_allclose(np.asarray(h_up[e]), hu, rtol=1e-5, atol=1e-6 * np.abs(hu).max())
+        np.testing.assert_allclose(np.asarray(h_down[e]), hd, rtol=1e-4, atol=1e-5 * np.abs(hd).max())
+    # padding excluded: the same sequences without padding, one at a time, give the same statistics
+    seqs = [ids[b, : int(mask[b].sum())] for b in range(4)]
+    one = jgptq.quantize_moe(build("qwen3_moe"), seqs, method="rtn", bits=4, group_size=16, keep_hessians=True,
+                             progress=False, batch_size=1)
+    for key, (h, n) in res.hessians.items():
+        h1, n1 = one.hessians[key]
+        assert n == n1, key
+        np.testing.assert_allclose(np.asarray(h), np.asarray(h1), rtol=1e-4, atol=1e-6, err_msg=str(key))
+
+
+def test_all_experts_mode_ties_gate_up_and_sees_every_token():
+    import jgptq
+
+    ids = token_ids(4, 16, seed=6)
+    res = jgptq.quantize_moe(build("qwen3_moe"), ids, method="rtn", bits=4, group_size=16, keep_hessians=True,
+                             calibration="all_experts", progress=False)
+    h_up, n_up = res.hessians[(0, ("mlp.experts", "gate_up"))]
+    h_down, n_down = res.hessians[(0, ("mlp.experts", "down"))]
+    assert h_up.shape == (64, 64) and n_up == 64
+    assert h_down.shape == (8, 32, 32) and n_down == [64] * 8
+    cov = res.report.coverage["model.layers.0.mlp.experts"]
+    assert sum(cov) == 2 * 64 and max(cov) < 64        # coverage still counts routed tokens
+
+
+def test_shared_inputs_share_one_hessian():
+    import jgptq
+
+    res = jgptq.quantize_moe(build("deepseek_v3"), token_ids(2, 16, seed=7), method="rtn", bits=4, group_size=16,
+                             progress=False)
+    key = {r.name.split("layers.")[1]: r.hessian.split("layers.")[1] for r in res.report.records
+           if r.kind == "linear"}
+    assert key["0.self_attn.kv_a_proj_with_mqa"] == key["0.self_attn.q_a_proj"] == "0.self_attn.q_a_proj"
+    assert key["0.mlp.up_proj"] == key["0.mlp.gate_proj"] == "0.mlp.gate_proj"
+    assert key["1.mlp.shared_experts.up_proj"] == "1.mlp.shared_experts.gate_proj"
+    assert key["0.self_attn.q_b_proj"] == "0.self_attn.q_b_proj" and key["0.self_attn.o_proj"] == "0.self_attn.o_proj"
+    res = jgptq.quantize_moe(build("llama"), token_ids(2, 16, seed=7), method="rtn", bits=4, group_size=16,
+                             progress=False)
+    key = {r.name: r.hessian for r in res.report.records}
+    assert key["model.layers.1.self_attn.k_proj"] == key["model.layers.1.self_attn.v_proj"] == \
+        "model.layers.1.self_attn.q_proj"

@@ -1,0 +1,42 @@
+import json
+
+import pytest
+
+from interop.report import Report
+from jgptq import MoEConfig, PipelineConfig, QuantConfig
+
+
+def test_build_routes_keywords_to_the_right_config():
+    cfg = PipelineConfig.build(QuantConfig(bits=3), group_size=32, calibration="all_experts", min_tokens=8,
+                               batch_size=2, exclude=r"o_proj$")
+    assert (cfg.quant.bits, cfg.quant.group_size, cfg.moe.calibration, cfg.moe.min_tokens) == (3, 32, "all_experts", 8)
+    assert cfg.batch_size == 2 and cfg.exclude == ("o_proj$",)
+    json.dumps(cfg.to_dict())
+    with pytest.raises(TypeError, match="unknown option 'bitz'"):
+        PipelineConfig.build(None, bitz=3)
+    with pytest.raises(TypeError, match="config must be"):
+        PipelineConfig.build("q4")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(calibration="some"), "MoEConfig.calibration"), (dict(min_tokens=0), "MoEConfig.min_tokens"),
+    (dict(min_token_fraction=1.5), "MoEConfig.min_token_fraction"), (dict(method="awq"), "PipelineConfig.method"),
+    (dict(hessian_dtype="float16"), "PipelineConfig.hessian_dtype"), (dict(batch_size=0), "PipelineConfig.batch_size"),
+    (dict(exclude=["("]), "not a regular expression"), (dict(bits=1), "QuantConfig.bits"),
+])
+def test_invalid_options_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineConfig.build(None, **kwargs)
+
+
+def test_threshold_takes_the_larger_of_count_and_fraction():
+    assert MoEConfig().threshold(10_000) == 1
+    assert MoEConfig(min_tokens=4, min_token_fraction=0.005).threshold(10_000) == 50
+    assert MoEConfig(min_tokens=64, min_token_fraction=0.005).threshold(10_000) == 64
+
+
+def test_full_coverage_table_marks_experts_below_the_threshold():
+    rep = Report(config={}, coverage={"m.experts": [5, 0, 12, 3]}, thresholds={"m.experts": 4})
+    text = rep.coverage_table(full=True)
+    assert "1:      0*" in text and "3:      3*" in text and "2:     12 " in text
+    assert "below 4: [1, 3]" in rep.coverage_table()

@@ -1,0 +1,57 @@
+"""Tiny random transformers models of several families (CPU, float32) and helpers for the interop tests."""
+
+import torch
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=None)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny float32 model of ``family`` in eval mode, weights drawn with ``seed``."""
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(cfg).eval()
+    if family == "gpt_oss":  # expert biases start at zero: randomise them to exercise has_bias
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("_bias"):
+                    p.normal_(0, 0.02)
+    return model
+
+
+def token_ids(n: int, length: int, seed: int, vocab: int = 128) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g)
+
+
+def next_token_kl(reference, model, ids) -> float:
+    """Mean KL(reference || model) of the next-token distributions over every position of ``ids``."""
+    with torch.no_grad():
+        p = torch.log_softmax(reference(ids).logits.double(), -1)
+        q = torch.log_softmax(model(ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
