@@ -187,21 +187,27 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     limited = any(free[d] < memory.UNLIMITED for d in devices)
 
     @functools.lru_cache(maxsize=None)
-    def unit_peak(k):  # peak of one device running exactly k experts (one vmapped step for k >= 2)
-        return memory.program_peak(compiled_program(spec, one_dev, k, k))
+    def peak_of(m, k):  # compiled peak of one device running m experts at batch k
+        return memory.program_peak(compiled_program(spec, one_dev, m, k))
 
-    def est_peak(k):  # k > 2 extrapolated linearly from k = 1, 2 (the chosen program is checked below)
-        return unit_peak(k) if k <= 2 else unit_peak(2) + (k - 2) * max(unit_peak(2) - unit_peak(1), 0)
+    def fixed(k):  # bytes beyond the experts' inputs and outputs, from a two-step program (k > 2: extrapolated)
+        if k <= 2:
+            return peak_of(2 * k, k) - 2 * k * io
+        return fixed(2) + (k - 2) * max(fixed(2) - fixed(1), 0)
 
     def capacity(d, k):  # most experts (a multiple of k) device d holds at batch k
         if free[d] >= memory.UNLIMITED:
             return memory.UNLIMITED
-        room = free[d] - est_peak(k)
-        return 0 if room < 0 else k + room // (io * k) * k
+        if free[d] < peak_of(1, 1):
+            return 0
+        m = max(free[d] - fixed(k), 0) // io // k * k
+        if m >= 2 * k:
+            return m
+        return k if k > 2 or free[d] >= peak_of(k, k) else 0   # a single step (checked again below)
 
     working = [d for d in devices if not limited or capacity(d, 1) >= 1]
     if not working:
-        raise MemoryError(f"no device has room for one expert: one needs {unit_peak(1)} bytes, the most free on "
+        raise MemoryError(f"no device has room for one expert: one needs {peak_of(1, 1)} bytes, the most free on "
                           f"a device is {max(free.values())} bytes ({len(devices)} devices)")
     idle = tuple(d for d in devices if d not in working)
     if idle:

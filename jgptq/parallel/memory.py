@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import os
 from typing import Mapping, Optional, Union
 
@@ -58,12 +59,15 @@ def live_bytes(devices) -> dict:
     used = collections.Counter()
     for arr in jax.live_arrays():
         try:
-            shards = arr.addressable_shards
+            if arr.is_deleted():
+                continue
+            placement = arr.sharding.devices_indices_map(arr.shape)
         except Exception:  # pragma: no cover - deleted while iterating
             continue
-        for shard in shards:
-            if shard.device in wanted:
-                used[shard.device] += shard.data.nbytes
+        for dev, index in placement.items():
+            if dev in wanted:
+                shape = [len(range(*sl.indices(n))) for sl, n in zip(index, arr.shape)]
+                used[dev] += math.prod(shape) * arr.dtype.itemsize
     return {d: used[d] for d in devices}
 
 
