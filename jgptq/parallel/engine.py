@@ -10,14 +10,15 @@ cross-device traffic: the compiled program holds no collective). ``batch_size`` 
 per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k, so a vmap
 of width 1 (which XLA compiles to other kernels, hence other bits) never occurs.
 
-Room check (:func:`plan`): for each candidate k, the per-device peak of a one-device program over k experts is
-read from ``memory_analysis()`` of its compiled form (lowered from ShapeDtypeStructs, nothing allocated); with
-``io`` the input + output bytes of one expert, m experts need ``peak_k + (m - k) * io``. A device takes work if
-it has room for one expert alone. The plan takes the largest k (<= the platform's maximum) and then the largest
-m that fit on every working device; when even that leaves experts over, the experts are solved in chunks of
-``devices x m`` (balanced, padded with copies of a real expert whose results are dropped). The compiled program
-of the chosen (m, k) is then checked itself; if its analyzed peak does not fit, m (then k) shrinks. An expert
-that fits nowhere raises MemoryError before anything runs.
+Room check (:func:`plan`): a device's program for m experts at batch k needs ``fixed_k + m * io`` bytes, where
+``io`` is one expert's inputs + outputs and ``fixed_k`` the rest (temporaries of one lax.map step, loop state),
+read from ``memory_analysis()`` of the compiled program for two steps (lowered from ShapeDtypeStructs, nothing
+allocated; k > 2 is extrapolated from k = 1, 2). A device takes work if it has room for one expert alone. The
+plan takes the largest k (<= the platform's maximum, <= the experts per device) and then the largest m that fit
+on every working device; when experts are left over, they run in chunks of ``devices x m`` (balanced, padded
+with copies of a real expert whose results are dropped). The compiled program of the chosen (m, k) is checked
+itself before it runs; if its analyzed peak does not fit, m (then k) shrinks. When no device has room for one
+expert, MemoryError is raised before anything runs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ MAX_BATCH_DEFAULT = 8
 
 def expert_mesh(devices: Sequence) -> Mesh:
     """A 1-D Mesh over ``devices`` (in the given order) with the axis ``"expert"`` (Auto axis type)."""
-    return Mesh(np.asarray(list(devices), dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
+    return _mesh(tuple(devices))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh(devices: tuple) -> Mesh:
+    return Mesh(np.asarray(devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,7 @@ class Plan:
       num_chunks: successive runs, each over ``len(devices) * per_device`` expert slots.
       predicted_peak: per-device peak bytes of the chosen program (from its compiled memory analysis).
       free: dict device -> free bytes seen when planning (:data:`memory.UNLIMITED` when unbounded).
-      idle: devices left without work for want of room.
+      idle: devices given no work: without room for one expert, or not needed for this many experts.
     """
 
     devices: tuple
@@ -142,6 +148,19 @@ def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
     return compiled
 
 
+def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
+    """Per-device peak bytes of :func:`compiled_program` (its memory analysis, cached: reading it is not free)."""
+    key = (spec, mesh, per_device, k, "peak")
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is None:
+        hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
+        with _lock:
+            _compiled[key] = hit
+    return hit
+
+
+@functools.lru_cache(maxsize=256)
 def _io_bytes(spec: _Spec) -> int:
     """Input + output bytes of one expert (mapped inputs only; shared inputs are in every program's peak)."""
     inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
@@ -183,12 +202,13 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     k_max = MAX_BATCH.get(devices[0].platform, MAX_BATCH_DEFAULT) if batch_size is None else int(batch_size)
     if k_max < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    one_dev = expert_mesh(devices[:1])
+    me = jax.process_index()
+    one_dev = expert_mesh([next((d for d in devices if d.process_index == me), devices[0])])
     limited = any(free[d] < memory.UNLIMITED for d in devices)
 
     @functools.lru_cache(maxsize=None)
     def peak_of(m, k):  # compiled peak of one device running m experts at batch k
-        return memory.program_peak(compiled_program(spec, one_dev, m, k))
+        return program_peak(spec, one_dev, m, k)
 
     def fixed(k):  # bytes beyond the experts' inputs and outputs, from a two-step program (k > 2: extrapolated)
         if k <= 2:
@@ -222,7 +242,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
         per_dev = _round_up(-(-num_experts // (chunks * len(working))), k)   # balance the chunks
         n_used = -(-num_experts // (chunks * per_dev))
         used = tuple(working[:n_used])
-        peak = memory.program_peak(compiled_program(spec, expert_mesh(used), per_dev, k))
+        peak = program_peak(spec, expert_mesh(used), per_dev, k)
         if all(peak <= free[d] for d in used):
             break
         log.info("the program for %d experts per device (batch %d) needs %d bytes: shrinking", per_dev, k, peak)
@@ -235,6 +255,9 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
                               f"{min(free[d] for d in used)} bytes")
     else:  # pragma: no cover - every step shrinks
         raise MemoryError("no chunking of the experts fits the devices' free memory")
+    if k > 1 and len(used) > 1 and used[0].platform == "cpu":
+        log.warning("a lax.map batch of %d on several CPU devices runs batched LAPACK calls inside shard_map, "
+                    "which can deadlock XLA:CPU's thread pool; batch_size=1 is the safe choice on CPU", k)
     if chunks > 1:
         log.info("%d experts in %d chunks of %d devices x %d (batch %d); predicted peak %d bytes per device",
                  num_experts, chunks, len(used), per_dev, k, peak)
