@@ -50,9 +50,10 @@ def main(argv=None) -> int:
     if args.scenario in ("devices", "multiprocess"):
         _flat("all", jp.solve_experts(w, h, cfg, gather_to="host"), out)
     if args.scenario == "devices" and args.extras:
-        # uneven count (padding), tied Hessian, per-expert sequences living on other devices
-        _flat("uneven", jp.solve_experts(w[:-1], h[:-1], cfg), out)
+        # uneven count (padding; inputs as arrays on another device), tied Hessian, per-expert sequences
         devs = jax.devices()
+        _flat("uneven", jp.solve_experts(jax.device_put(w[:-1], devs[1]), jax.device_put(h[:-1], devs[-1]), cfg),
+              out)
         seq_w = [jax.device_put(x, devs[-1 - i % len(devs)]) for i, x in enumerate(w)]
         _flat("tied", jp.solve_experts(seq_w, h[0], cfg), out)
         # the imatrix-only path: a plain round-to-nearest encode with importance, sharded and per device

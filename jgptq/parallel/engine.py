@@ -4,8 +4,9 @@ The engine is generic: ``fn(*args)`` works on one expert (e.g. a GPTQ solve of a
 (C, C) Hessian) and returns a pytree of arrays; each argument is either *mapped* (a leading expert axis, or a
 sequence of per-expert arrays) or *shared* by every expert (``in_axes`` 0 or None, as in ``jax.vmap``).
 
-Program: ``jit(shard_map(per_device, mesh, P("expert")))`` over a 1-D mesh whose axis ``"expert"`` holds the
-devices that take work. Each device gets ``m`` consecutive experts and runs them with ``lax.map`` (a scan, no
+Program: ``jit(shard_map(per_device, mesh, P("expert")))`` over a 1-D mesh whose axis ``"expert"`` (axis type
+Auto: with Explicit axes, unbatched constants inside a vmapped solve fail the sharding check) holds the devices
+that take work. Each device gets ``m`` consecutive experts and runs them with ``lax.map`` (a scan, no
 cross-device traffic: the compiled program holds no collective). ``batch_size`` k = 1 scans the unbatched
 per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k, so a vmap
 of width 1 (which XLA compiles to other kernels, hence other bits) never occurs.
