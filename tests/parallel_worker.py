@@ -59,6 +59,12 @@ def main(argv=None) -> int:
         # the imatrix-only path: a plain round-to-nearest encode with importance, sharded and per device
         rtn = _rtn_encode
         _flat("encode", dict(zip(("codes", "scale", "zero"), jp.encode_experts(rtn, w, data["importance"]))), out)
+        # a GGML codec: plain encodes with importance, and GPTQ with the format's group updates
+        from jgptq.ggml import get_format
+
+        q4_0 = get_format("q4_0")
+        out["ggml_encode"] = np.asarray(jp.encode_experts(q4_0.encode, w, data["importance"]))
+        _flat("ggml_gptq", jp.solve_experts(w, h, QuantConfig(format="q4_0"), importance=data["importance"]), out)
         named = {f"w{i}": jax.device_put(x, devs[i % len(devs)]) for i, x in enumerate(w)}
         enc = jp.encode_on_devices(rtn, named, {k: data["importance"][i] for i, k in enumerate(named)})
         out["encode_devices_ok"] = np.bool_(all(next(iter(enc[k][0].devices())) == next(iter(named[k].devices()))

@@ -18,6 +18,7 @@ import pytest
 import jgptq.parallel as jp
 from jgptq import QuantConfig, gptq
 from jgptq import hessian as hs
+from jgptq.ggml import get_format
 from jgptq.parallel import engine, experts, memory
 from tests import parallel_worker
 from tests.conftest import correlated_activations
@@ -92,6 +93,11 @@ def test_same_bytes_on_1_2_4_8_devices(problem, reference, devices):
     for i in range(E):
         one = jax.jit(parallel_worker._rtn_encode)(problem["w"][i], problem["imp"][i])
         assert_same_bytes(got, f"encode_dev{i}", _Enc(*one))
+    q4_0 = get_format("q4_0")
+    ggml = np.stack([np.asarray(jax.jit(q4_0.encode)(problem["w"][i], problem["imp"][i])) for i in range(E)])
+    assert got["ggml_encode"].tobytes() == ggml.tobytes()
+    assert_same_bytes(got, "ggml_gptq", gptq.solve_experts(problem["w"], problem["h"], QuantConfig(format="q4_0"),
+                                                           importance=problem["imp"]))
 
 
 class _Enc(tuple):
