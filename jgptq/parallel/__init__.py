@@ -33,6 +33,13 @@ and 8 simulated devices and two processes. GPUs run different kernels than CPUs,
 across GPU device counts the same argument holds (``benchmarks/room_check.py`` checks batch 1 against batch 2
 on the GPU).
 
+On one CPU host, simulated devices (``--xla_force_host_platform_device_count``) are a test vehicle, not a
+speed-up: their runtimes share the cores and XLA:CPU's thread pool, and 4 of them ran a 16-expert bucket several
+times slower than one device on a 2-core machine (``benchmarks/results/parallel_overhead.json``); the scheduling
+itself (plan, placement, gather) took about 3 ms there. Spread CPU work over processes or hosts instead. A lax.map
+batch above 1 on several CPU devices can also deadlock XLA:CPU (batched LAPACK calls inside shard_map), which is
+why the default batch on CPU is 1.
+
 The imatrix-only path (no GPTQ: a plain encode of each weight with its importance) uses the same engine
 (:func:`encode_experts`), or encodes each weight on the device where it already lives, every device at once
 (:func:`encode_on_devices`).

@@ -224,7 +224,9 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
         m = max(free[d] - fixed(k), 0) // io // k * k
         if m >= 2 * k:
             return m
-        return k if k > 2 or free[d] >= peak_of(k, k) else 0   # a single step (checked again below)
+        if k > 2:                                    # a single step, estimated (the chosen program is checked)
+            return k if m >= k else 0
+        return k if free[d] >= peak_of(k, k) else 0
 
     working = [d for d in devices if not limited or capacity(d, 1) >= 1]
     if not working:

@@ -192,8 +192,8 @@ def encode_on_devices(fn: Callable, weights: Mapping[str, jax.Array], importance
     """Encodes every named weight on the device that holds it, all devices at once (asynchronous dispatch).
 
     Args:
-      fn: ``fn(weight (R, C), importance (C,) or None) -> pytree``, traceable (compiled once per shape and
-        device kind).
+      fn: ``fn(weight (R, C), importance (C,) or None) -> pytree``, traceable (jitted; compiled per shape and
+        device).
       weights: name -> (R, C) jax array, each committed to its device (e.g. where torch keeps the layer).
       importance: name -> (C,) or None; moved to its weight's device.
     Returns:
