@@ -224,7 +224,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
         zeros = jnp.zeros_like(wb)
         wb, qb, eb, _, loss, extra = jax.lax.fori_loop(
             0, block // group, functools.partial(_with_b0, step, b0), (wb, zeros, zeros, ub, loss, extra))
-        loss = loss + jnp.sum(eb * eb)
+        loss = loss + _exact_order_sum(eb)
         # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
         wt = wt - jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ eb
         qt = jax.lax.dynamic_update_slice_in_dim(qt, qb, b0, axis=0)
@@ -260,6 +260,22 @@ def _with_b0(step, b0, k, carry):
 # steps took a 4096 x 4096 solve on an H200 from 58 to 45 ms (8 and 16 gave no more), and the compiled program
 # still does not grow with the width.
 _COLUMN_UNROLL = 4
+
+
+def _exact_order_sum(err: jax.Array) -> jax.Array:
+    """Sum of squares of ``err`` (n, R) in one fixed order, the same bits whether or not the solve is vmapped.
+
+    A ``jnp.sum`` lowers to different reduction orders in a batched and an unbatched program (XLA:CPU), which
+    made the loss of one expert depend on how many experts were solved together. Here the squares are kept apart
+    from the additions (no fused multiply-add) and summed by a fixed pairwise tree of elementwise adds.
+    """
+    x = jax.lax.optimization_barrier(err * err).reshape(-1)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
 
 _solve_jit = jax.jit(_solve, static_argnames=("config", "codec"))
 
@@ -341,6 +357,13 @@ def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, imp
     importance = None if importance is None else jnp.asarray(importance)
     if check:
         _check_inputs(weights, hessians, importance, config, name, batched=True)
+    if weights.shape[0] == 1:
+        # A vmap of width 1 is compiled differently (XLA:CPU strips the unit batch axis and fuses the block
+        # update's matmul with its transposes into another dot emitter): different bits. One expert takes the
+        # unbatched program, which gives the same bits as a batch of two or more.
+        imp = importance if importance is None or importance.ndim == 1 else importance[0]
+        one = _solve_jit(weights[0], hessians if hessians.ndim == 2 else hessians[0], imp, config, None)
+        return jax.tree.map(lambda a: a[None], one)
     return _solve_experts_jit(weights, hessians, importance, config, hessians.ndim == 2)
 
 

@@ -1,0 +1,403 @@
+"""Map a per-expert function over same-shape experts on a Mesh: plan (room check), place, run, gather.
+
+The engine is generic: ``fn(*args)`` works on one expert (e.g. a GPTQ solve of a (R, C) weight against its
+(C, C) Hessian) and returns a pytree of arrays; each argument is either *mapped* (a leading expert axis, or a
+sequence of per-expert arrays) or *shared* by every expert (``in_axes`` 0 or None, as in ``jax.vmap``).
+
+Program: ``jit(shard_map(per_device, mesh, P("expert")))`` over a 1-D mesh whose axis ``"expert"`` (axis type
+Auto: with Explicit axes, unbatched constants inside a vmapped solve fail the sharding check) holds the devices
+that take work. Each device gets ``m`` consecutive experts and runs them with ``lax.map`` (a scan, no
+cross-device traffic: the compiled program holds no collective). ``batch_size`` k = 1 scans the unbatched
+per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k, so a vmap
+of width 1 (which XLA compiles to other kernels, hence other bits) never occurs.
+
+Room check (:func:`plan`): a device's program for m experts at batch k needs ``fixed_k + m * io`` bytes, where
+``io`` is one expert's inputs + outputs and ``fixed_k`` the rest (temporaries of one lax.map step, loop state),
+read from ``memory_analysis()`` of the compiled program for two steps (lowered from ShapeDtypeStructs, nothing
+allocated; k > 2 is extrapolated from k = 1, 2). A device takes work if it has room for one expert alone. The
+plan takes the largest k (<= the platform's maximum, <= the experts per device) and then the largest m that fit
+on every working device; when experts are left over, they run in chunks of ``devices x m`` (balanced, padded
+with copies of a real expert whose results are dropped). The compiled program of the chosen (m, k) is checked
+itself before it runs; if its analyzed peak does not fit, m (then k) shrinks. When no device has room for one
+expert, MemoryError is raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import threading
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jgptq.parallel import memory
+
+log = logging.getLogger("jgptq.parallel")
+
+AXIS = "expert"
+# Largest lax.map batch tried by default. CPU: 1, since batched LAPACK calls inside shard_map on several virtual
+# CPU devices can deadlock the intra-op thread pool, and batching does not speed up a CPU solve.
+MAX_BATCH = {"cpu": 1}
+MAX_BATCH_DEFAULT = 8
+
+
+def expert_mesh(devices: Sequence) -> Mesh:
+    """A 1-D Mesh over ``devices`` (in the given order) with the axis ``"expert"`` (Auto axis type)."""
+    return _mesh(tuple(devices))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh(devices: tuple) -> Mesh:
+    return Mesh(np.asarray(devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How ``num_experts`` experts are spread: the same for every process of a multi-host run.
+
+    Attributes:
+      devices: devices that take work, in mesh order; expert ``i`` of chunk ``c`` goes to
+        ``devices[(i - c * chunk) // per_device]``.
+      per_device: experts per device per chunk (a multiple of ``batch_size``).
+      batch_size: experts vmapped together inside a device's ``lax.map`` (1: the unbatched program).
+      num_experts: real experts (padding excluded).
+      num_chunks: successive runs, each over ``len(devices) * per_device`` expert slots.
+      predicted_peak: per-device peak bytes of the chosen program (from its compiled memory analysis).
+      free: dict device -> free bytes seen when planning (:data:`memory.UNLIMITED` when unbounded).
+      idle: devices given no work: without room for one expert, or not needed for this many experts.
+    """
+
+    devices: tuple
+    per_device: int
+    batch_size: int
+    num_experts: int
+    num_chunks: int
+    predicted_peak: int
+    free: dict = dataclasses.field(compare=False, repr=False)
+    idle: tuple = ()
+
+    @property
+    def chunk(self) -> int:
+        return len(self.devices) * self.per_device
+
+    def chunk_range(self, c: int) -> tuple[int, int]:
+        return c * self.chunk, min(self.num_experts, (c + 1) * self.chunk)
+
+    def device_of(self, expert: int):
+        """The device that solves expert ``expert``."""
+        return self.devices[(expert % self.chunk) // self.per_device]
+
+
+class _Spec(NamedTuple):
+    """Static description of a call: per-expert avals of mapped args, full avals of shared ones."""
+
+    fn: Callable
+    in_axes: tuple
+    avals: tuple      # per argument: ShapeDtypeStruct of ONE expert (mapped), of the whole arg (shared), or None
+
+
+def _per_device(fn, in_axes, k):
+    def body(*args):
+        mapped = tuple(a for a, ax in zip(args, in_axes) if ax == 0 and a is not None)
+
+        def one(xs):
+            it = iter(xs)
+            return fn(*(next(it) if ax == 0 and a is not None else a for a, ax in zip(args, in_axes)))
+
+        if k == 1:
+            return jax.lax.map(one, mapped)
+        return jax.lax.map(one, mapped, batch_size=k)
+
+    return body
+
+
+_lock = threading.Lock()
+_compiled: dict = {}
+
+
+def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
+    """The compiled program for ``per_device`` experts on each device of ``mesh`` (cached per process)."""
+    key = (spec, mesh, per_device, k)
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    n = mesh.devices.size
+    shard, repl = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    in_specs, structs = [], []
+    for aval, ax in zip(spec.avals, spec.in_axes):
+        if aval is None:
+            in_specs.append(None)
+            structs.append(None)
+        elif ax == 0:
+            in_specs.append(P(AXIS))
+            structs.append(jax.ShapeDtypeStruct((n * per_device, *aval.shape), aval.dtype, sharding=shard))
+        else:
+            in_specs.append(P())
+            structs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=repl))
+    program = jax.jit(jax.shard_map(_per_device(spec.fn, spec.in_axes, k), mesh=mesh, in_specs=tuple(in_specs),
+                                    out_specs=P(AXIS), check_vma=False))
+    compiled = program.lower(*structs).compile()
+    with _lock:
+        _compiled[key] = compiled
+    return compiled
+
+
+def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
+    """Per-device peak bytes of :func:`compiled_program` (its memory analysis, cached: reading it is not free)."""
+    key = (spec, mesh, per_device, k, "peak")
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is None:
+        hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
+        with _lock:
+            _compiled[key] = hit
+    return hit
+
+
+@functools.lru_cache(maxsize=256)
+def _io_bytes(spec: _Spec) -> int:
+    """Input + output bytes of one expert (mapped inputs only; shared inputs are in every program's peak)."""
+    inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
+              if a is not None and ax == 0)
+    args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
+    out = jax.eval_shape(spec.fn, *args)
+    return inp + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Optional[int] = None,
+         memory_limit=None, reserve=0, gather_bytes: Optional[dict] = None) -> Plan:
+    """Chooses devices, experts per device, lax.map batch and chunks that fit in memory (see module docstring).
+
+    Args:
+      spec: the per-expert function and its argument avals.
+      num_experts: E >= 1.
+      devices: candidate devices (global devices in a multi-process run; every process passes the same list).
+      batch_size: None (largest that fits, up to the platform default) or an upper bound.
+      memory_limit, reserve: see :func:`memory.free_bytes`.
+      gather_bytes: bytes the gathered results will take on a device (reserved there up front).
+    """
+    from jgptq.parallel import multihost
+
+    if num_experts < 1:
+        raise ValueError(f"no experts to solve (num_experts={num_experts})")
+    devices = list(devices)
+    free = multihost.free_bytes_everywhere(devices, memory_limit, reserve)
+    for d, b in (gather_bytes or {}).items():
+        if d in free and free[d] < memory.UNLIMITED:
+            free[d] = max(0, free[d] - b)
+    io = _io_bytes(spec)
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"devices of one platform only, got {sorted(platforms)}")
+    k_max = MAX_BATCH.get(devices[0].platform, MAX_BATCH_DEFAULT) if batch_size is None else int(batch_size)
+    if k_max < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    me = jax.process_index()
+    one_dev = expert_mesh([next((d for d in devices if d.process_index == me), devices[0])])
+    limited = any(free[d] < memory.UNLIMITED for d in devices)
+
+    @functools.lru_cache(maxsize=None)
+    def peak_of(m, k):  # compiled peak of one device running m experts at batch k
+        return program_peak(spec, one_dev, m, k)
+
+    def fixed(k):  # bytes beyond the experts' inputs and outputs, from a two-step program (k > 2: extrapolated)
+        if k <= 2:
+            return peak_of(2 * k, k) - 2 * k * io
+        return fixed(2) + (k - 2) * max(fixed(2) - fixed(1), 0)
+
+    def capacity(d, k):  # most experts (a multiple of k) device d holds at batch k
+        if free[d] >= memory.UNLIMITED:
+            return memory.UNLIMITED
+        if free[d] < peak_of(1, 1):
+            return 0
+        m = max(free[d] - fixed(k), 0) // io // k * k
+        if m >= 2 * k:
+            return m
+        if k > 2:                                    # a single step, estimated (the chosen program is checked)
+            return k if m >= k else 0
+        return k if free[d] >= peak_of(k, k) else 0
+
+    working = [d for d in devices if not limited or capacity(d, 1) >= 1]
+    if not working:
+        raise MemoryError(f"no device has room for one expert: one needs {peak_of(1, 1)} bytes, the most free on "
+                          f"a device is {max(free.values())} bytes ({len(devices)} devices)")
+    idle = tuple(d for d in devices if d not in working)
+    if idle:
+        log.warning("devices without room for one expert take no work: %s", [str(d) for d in idle])
+    target = -(-num_experts // len(working))
+    batches = sorted({c for c in (k_max, 8, 4, 2) if 2 <= c <= min(k_max, target)}, reverse=True) + [1]
+    bi = next(i for i, c in enumerate(batches) if all(capacity(d, c) >= c for d in working))
+    for _ in range(32):
+        k = batches[bi]
+        per_dev = min(min(capacity(d, k) for d in working), _round_up(target, k))
+        chunks = -(-num_experts // (len(working) * per_dev))
+        per_dev = _round_up(-(-num_experts // (chunks * len(working))), k)   # balance the chunks
+        n_used = -(-num_experts // (chunks * per_dev))
+        used = tuple(working[:n_used])
+        peak = program_peak(spec, expert_mesh(used), per_dev, k)
+        if all(peak <= free[d] for d in used):
+            break
+        log.info("the program for %d experts per device (batch %d) needs %d bytes: shrinking", per_dev, k, peak)
+        if per_dev > k:
+            target = per_dev - k
+        elif bi + 1 < len(batches):
+            bi += 1
+        else:
+            raise MemoryError(f"the program for one expert per device needs {peak} bytes, more than the free "
+                              f"{min(free[d] for d in used)} bytes")
+    else:  # pragma: no cover - every step shrinks
+        raise MemoryError("no chunking of the experts fits the devices' free memory")
+    if k > 1 and len(used) > 1 and used[0].platform == "cpu":
+        log.warning("a lax.map batch of %d on several CPU devices runs batched LAPACK calls inside shard_map, "
+                    "which can deadlock XLA:CPU's thread pool; batch_size=1 is the safe choice on CPU", k)
+    if chunks > 1:
+        log.info("%d experts in %d chunks of %d devices x %d (batch %d); predicted peak %d bytes per device",
+                 num_experts, chunks, len(used), per_dev, k, peak)
+    return Plan(used, per_dev, k, num_experts, chunks, peak, free, idle + tuple(working[n_used:]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running a plan
+
+
+def _is_seq(x) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def _expert_aval(x):
+    if _is_seq(x):
+        if not x:
+            raise ValueError("an empty sequence of per-expert arrays")
+        x = x[0]
+        return jax.ShapeDtypeStruct(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
+    return jax.ShapeDtypeStruct(tuple(x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
+    """The static spec of ``fn`` over ``args`` (arrays, ShapeDtypeStructs or per-expert sequences) and E."""
+    if len(args) != len(in_axes):
+        raise ValueError(f"{len(args)} arguments but {len(in_axes)} in_axes")
+    avals, counts = [], set()
+    for a, ax in zip(args, in_axes):
+        if a is None:
+            avals.append(None)
+        elif ax == 0:
+            avals.append(_expert_aval(a))
+            counts.add(len(a) if _is_seq(a) else a.shape[0])
+        elif ax is None:
+            avals.append(jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)))
+        else:
+            raise ValueError(f"in_axes entries must be 0 or None, got {ax!r}")
+    if len(counts) != 1:
+        raise ValueError(f"mapped arguments disagree on the number of experts: {sorted(counts)}")
+    return _Spec(fn, tuple(in_axes), tuple(avals)), counts.pop()
+
+
+def _block(x, idx: list, device, dtype):
+    """Experts ``idx`` of ``x`` stacked on ``device``."""
+    if _is_seq(x):
+        return jnp.stack([jax.device_put(jnp.asarray(x[i], dtype), device) for i in idx])
+    contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+    if isinstance(x, jax.Array):
+        part = x[idx[0]: idx[0] + len(idx)] if contiguous else x[np.asarray(idx)]
+        return jax.device_put(part.astype(dtype), device)
+    part = x[idx[0]: idx[0] + len(idx)] if contiguous else np.take(x, idx, axis=0)
+    return jax.device_put(np.asarray(part, dtype), device)
+
+
+def _place(spec: _Spec, args, plan_: Plan, mesh: Mesh, start: int):
+    me = jax.process_index()
+    shard, repl = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    local = [(j, d) for j, d in enumerate(plan_.devices) if d.process_index == me]
+    m, last = plan_.per_device, plan_.num_experts - 1
+    out = []
+    for a, ax, aval in zip(args, spec.in_axes, spec.avals):
+        if a is None:
+            out.append(None)
+        elif ax == 0:
+            blocks = [_block(a, [min(start + j * m + i, last) for i in range(m)], d, aval.dtype) for j, d in local]
+            out.append(jax.make_array_from_single_device_arrays((len(plan_.devices) * m, *aval.shape), shard,
+                                                                blocks))
+        else:
+            blocks = [jax.device_put(jnp.asarray(a, aval.dtype), d) for _, d in local]
+            out.append(jax.make_array_from_single_device_arrays(aval.shape, repl, blocks))
+    return out
+
+
+def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):
+    """Runs ``plan_``: places each chunk's experts on its devices, runs the compiled program, gathers results.
+
+    Args:
+      gather_to: a device (results concatenated there), ``"host"`` (numpy), or None: the first local device in a
+        one-process run, ``"host"`` (numpy on every process, via ``process_allgather``) in a multi-process run.
+    Returns:
+      The pytree of ``fn``'s outputs with a leading axis of ``plan_.num_experts``, in expert order.
+    """
+    from jgptq.parallel import multihost
+
+    multi = jax.process_count() > 1
+    if gather_to is None:
+        gather_to = "host" if multi else jax.local_devices()[0]
+    if multi and gather_to != "host":
+        raise ValueError("a multi-process run gathers results to the host (gather_to='host')")
+    mesh = expert_mesh(plan_.devices)
+    program = compiled_program(spec, mesh, plan_.per_device, plan_.batch_size)
+    pieces = []
+    for c in range(plan_.num_chunks):
+        start, stop = plan_.chunk_range(c)
+        out = program(*_place(spec, args, plan_, mesh, start))
+        valid = stop - start
+        if multi:
+            pieces.append(jax.tree.map(lambda a: multihost.allgather(a)[:valid], out))
+        elif gather_to == "host":
+            pieces.append(jax.tree.map(lambda a: np.asarray(a)[:valid], out))
+        else:
+            pieces.append(jax.tree.map(lambda a: jax.device_put(a, gather_to)[:valid], out))
+        del out
+    if len(pieces) == 1:
+        return pieces[0]
+    cat = np.concatenate if gather_to == "host" else jnp.concatenate
+    return jax.tree.map(lambda *xs: cat(xs, axis=0), *pieces)
+
+
+def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None, batch_size=None,
+                memory_limit=None, reserve=0, gather_to=None, plan_: Optional[Plan] = None):
+    """``jax.vmap(fn, in_axes)(*args)`` spread over devices, chunked to fit memory, same bytes on any mesh.
+
+    Args:
+      fn: per-expert function of jax arrays returning a pytree of arrays; hashable (programs are cached per
+        ``fn``: pass a module-level function or a frozen dataclass, not a fresh lambda per call).
+      args: per argument: an array (or numpy array) with a leading expert axis E, a sequence of E per-expert
+        arrays (each may live on any device), a shared array (in_axes None), or None.
+      in_axes: 0 (mapped) or None (shared) per argument.
+      devices: devices to spread over (default: every device, ``jax.devices()``).
+      batch_size: upper bound of the per-device lax.map batch (default: 1 on CPU, 8 elsewhere).
+      memory_limit, reserve: simulated limit / bytes kept free (see :func:`jgptq.parallel.memory.free_bytes`).
+      gather_to: see :func:`run`.
+      plan_: a :class:`Plan` made earlier by :func:`plan` for the same spec (skips planning).
+    Returns:
+      The pytree of outputs, leading axis E, in input order.
+    """
+    spec, num = make_spec(fn, args, in_axes)
+    if plan_ is None:
+        devices = list(jax.devices() if devices is None else devices)
+        target = gather_to if gather_to not in (None, "host") else (
+            jax.local_devices()[0] if gather_to is None and jax.process_count() == 1 else None)
+        out_bytes = _io_bytes(spec) - sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in
+                                          zip(spec.avals, spec.in_axes) if a is not None and ax == 0)
+        plan_ = plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
+                     gather_bytes=None if target is None else {target: num * out_bytes})
+    elif plan_.num_experts != num:
+        raise ValueError(f"the plan is for {plan_.num_experts} experts, got {num}")
+    return run(spec, args, plan_, gather_to)
