@@ -26,7 +26,7 @@ import numpy as np
 
 
 from interop.dlpack import to_torch
-from jgptq import gptq
+from jgptq import gptq, parallel
 from jgptq.config import QuantConfig
 from jgptq.quantizers import uniform
 
@@ -79,9 +79,9 @@ class PartResult(NamedTuple):
 
 
 def solve_bucket(weights, hessians, config: QuantConfig, *, name: str = "experts", devices=None):
-    """Solves a stack of same-shape matrices (see :func:`jgptq.gptq.solve_experts`; ``devices`` is for the
-    multi-device solver and unused on one device)."""
-    return gptq.solve_experts(weights, hessians, config, name=name)
+    """Solves a stack of same-shape matrices over ``devices`` (default: every local device), with the room check
+    of :func:`jgptq.parallel.solve_experts`; the bytes equal a one-device :func:`jgptq.gptq.solve_experts`."""
+    return parallel.solve_experts(weights, hessians, config, name=name, devices=devices)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

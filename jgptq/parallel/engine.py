@@ -42,9 +42,11 @@ log = logging.getLogger("jgptq.parallel")
 
 AXIS = "expert"
 # Largest lax.map batch tried by default. CPU: 1, since batched LAPACK calls inside shard_map on several virtual
-# CPU devices can deadlock the intra-op thread pool, and batching does not speed up a CPU solve.
+# CPU devices can deadlock the intra-op thread pool, and batching does not speed up a CPU solve. Accelerators:
+# every expert of a device at once when memory allows (the per-column steps are latency bound, so a wider vmap is
+# nearly free), falling back to smaller batches when it does not.
 MAX_BATCH = {"cpu": 1}
-MAX_BATCH_DEFAULT = 8
+MAX_BATCH_DEFAULT = 256
 
 
 def expert_mesh(devices: Sequence) -> Mesh:
@@ -236,7 +238,8 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     if idle:
         log.warning("devices without room for one expert take no work: %s", [str(d) for d in idle])
     target = -(-num_experts // len(working))
-    batches = sorted({c for c in (k_max, 8, 4, 2) if 2 <= c <= min(k_max, target)}, reverse=True) + [1]
+    batches = sorted({c for c in (k_max, target, 128, 64, 32, 16, 8, 4, 2) if 2 <= c <= min(k_max, target)},
+                     reverse=True) + [1]
     bi = next(i for i, c in enumerate(batches) if all(capacity(d, c) >= c for d in working))
     for _ in range(32):
         k = batches[bi]
