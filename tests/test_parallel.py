@@ -6,7 +6,6 @@ under a timeout; the references are computed here, on this process's single CPU 
 """
 
 import gc
-
 import os
 import socket
 import subprocess
