@@ -209,6 +209,19 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     one_dev = expert_mesh([next((d for d in devices if d.process_index == me), devices[0])])
     limited = any(free[d] < memory.UNLIMITED for d in devices)
 
+    # Fast path: the whole bucket in one step on every device. Compiling a GPTQ program takes seconds on a GPU, so
+    # the common case (it fits) compiles exactly the program that then runs, and nothing else.
+    target = -(-num_experts // len(devices))
+    k0 = min(k_max, target)
+    per_dev0 = _round_up(target, k0)
+    used0 = tuple(devices[:-(-num_experts // per_dev0)])
+    peak0 = program_peak(spec, expert_mesh(used0), per_dev0, k0)
+    if all(peak0 <= free[d] for d in used0):
+        if k0 > 1 and len(used0) > 1 and used0[0].platform == "cpu":
+            log.warning("a lax.map batch of %d on several CPU devices runs batched LAPACK calls inside shard_map, "
+                        "which can deadlock XLA:CPU's thread pool; batch_size=1 is the safe choice on CPU", k0)
+        return Plan(used0, per_dev0, k0, num_experts, 1, peak0, free, tuple(devices[len(used0):]))
+
     @functools.lru_cache(maxsize=None)
     def peak_of(m, k):  # compiled peak of one device running m experts at batch k
         return program_peak(spec, one_dev, m, k)
