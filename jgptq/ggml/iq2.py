@@ -21,63 +21,45 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.ggml import registry
-from jgptq.ggml.iq_common import (QK_K, div, fp16_bits, fp16_to_f32, from_le, le_bytes, map_chunks, mul,
-                                  nearest_int, seq_max, seq_sum, sqrt, superblocks)
+from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, parity_signs,
+                                 payload_blocks, row_sigma2, sign_bits, super_scale_codes)
+from jgptq.ggml.iq_common import QK_K, div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid, ksigns
 from jgptq.ggml.iq_search import make_qp_quants, scale_search, tables, trial_numerators
 
-CHUNK = 8192  # super-blocks per lax.map step in the encoders (bounds peak memory)
-
-
 # ----------------------------------------------------------------------------------------------- decoders
-
-def _blocks(payload, type_size):
-    payload = jnp.asarray(payload, jnp.uint8)
-    lead = payload.shape[:-1]
-    return payload.reshape(-1, type_size), lead
-
-
-def _sign_bits(sign_bytes):
-    """float32 (..., 8): -1 where bit j of the sign byte is set, else +1."""
-    bits = (sign_bytes[..., None].astype(jnp.uint32) >> jnp.arange(8, dtype=jnp.uint32)) & 1
-    return jnp.where(bits == 1, np.float32(-1.0), np.float32(1.0))
-
-
-def _values(name):
-    return jnp.asarray(get_grid(name).values)
-
 
 def decode_iq2_xxs(payload):
     """IQ2_XXS payload uint8 (..., nb * 66) -> float32 (..., nb * 256)."""
-    blk, lead = _blocks(payload, 66)
+    blk, lead = payload_blocks(payload, 66)
     d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
     q = from_le(blk[:, 2:], 4).reshape(-1, 8, 2)
     idx = le_bytes(q[..., :1], 4).reshape(-1, 8, 4)
     aux = q[..., 1]
     db = (d[:, None] * (np.float32(0.5) + (aux >> 28).astype(jnp.float32))) * np.float32(0.25)
     codes = (aux[..., None] >> (7 * jnp.arange(4, dtype=jnp.uint32))) & 127
-    signs = _sign_bits(jnp.asarray(ksigns())[codes])
-    y = (db[..., None, None] * _values("iq2xxs")[idx]) * signs
+    signs = sign_bits(jnp.asarray(ksigns())[codes])
+    y = (db[..., None, None] * grid_values("iq2xxs")[idx]) * signs
     return y.reshape(*lead, -1)
 
 
 def decode_iq2_xs(payload):
     """IQ2_XS payload uint8 (..., nb * 74) -> float32 (..., nb * 256)."""
-    blk, lead = _blocks(payload, 74)
+    blk, lead = payload_blocks(payload, 74)
     d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
     qs = from_le(blk[:, 2:66], 2).reshape(-1, 8, 4)
     sc = blk[:, 66:74].astype(jnp.uint32)
     nib = jnp.stack([sc & 15, sc >> 4], axis=-1).astype(jnp.float32)  # (m, 8, 2)
     db = (d[:, None, None] * (np.float32(0.5) + nib)) * np.float32(0.25)
     db = jnp.repeat(db, 2, axis=-1)  # group l uses db[l // 2]
-    signs = _sign_bits(jnp.asarray(ksigns())[qs >> 9])
-    y = (db[..., None] * _values("iq2xs")[qs & 511]) * signs
+    signs = sign_bits(jnp.asarray(ksigns())[qs >> 9])
+    y = (db[..., None] * grid_values("iq2xs")[qs & 511]) * signs
     return y.reshape(*lead, -1)
 
 
 def decode_iq2_s(payload):
     """IQ2_S payload uint8 (..., nb * 82) -> float32 (..., nb * 256)."""
-    blk, lead = _blocks(payload, 82)
+    blk, lead = payload_blocks(payload, 82)
     d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
     lo = blk[:, 2:34].astype(jnp.uint32).reshape(-1, 8, 4)
     sgn = blk[:, 34:66].reshape(-1, 8, 4)
@@ -87,67 +69,11 @@ def decode_iq2_s(payload):
     idx = lo | ((qh[..., None] << shifts) & 0x300)
     nib = jnp.stack([sc & 15, sc >> 4], axis=-1).astype(jnp.float32)
     db = jnp.repeat((d[:, None, None] * (np.float32(0.5) + nib)) * np.float32(0.25), 2, axis=-1)
-    y = (db[..., None] * _values("iq2s")[idx]) * _sign_bits(sgn)
+    y = (db[..., None] * grid_values("iq2s")[idx]) * sign_bits(sgn)
     return y.reshape(*lead, -1)
 
 
 # ----------------------------------------------------------------------------------------------- encoders
-
-def row_sigma2(xb, factor: float):
-    """``factor * sum(x**2) / 256`` per super-block (m,), summed in order like llama.cpp."""
-    sumx2 = seq_sum(mul(xb, xb))
-    if factor != 1:
-        sumx2 = mul(np.float32(factor), sumx2)
-    return div(sumx2, np.float32(QK_K))
-
-
-def imatrix_weights(x, qw, sigma2):
-    """``qw * sqrtf(sigma2 + x*x)``; x, qw (m, k, B), sigma2 (m,)."""
-    return mul(qw, sqrt(sigma2[:, None, None] + mul(x, x)))
-
-
-def parity_signs(x, weight):
-    """Absolute values with even-parity signs per group of 8, as llama.cpp's IQ2_XXS/IQ2_XS/IQ3_XXS encoders do.
-
-    Args:
-      x, weight: float32 (..., 8).
-    Returns:
-      (xval float32 (..., 8), 7-bit sign code uint32 (...)). When the count of negatives is odd, the element with
-      the smallest weight * x * x keeps its sign flipped in ``xval`` (it is negative there) and in the code.
-    """
-    neg = ~(x >= 0)
-    xval = jnp.where(neg, -x, x)
-    bits = neg.astype(jnp.uint32) << jnp.arange(8, dtype=jnp.uint32)
-    s = bits[..., 0]
-    for i in range(1, 8):
-        s = s | bits[..., i]
-    odd = (jnp.sum(neg, axis=-1) % 2) == 1
-    imin = jnp.argmin(mul(mul(weight, x), x), axis=-1)
-    hit = (jnp.arange(8) == imin[..., None]) & odd[..., None]
-    xval = jnp.where(hit, -xval, xval)
-    s = jnp.where(odd, s ^ (jnp.uint32(1) << imin.astype(jnp.uint32)), s)
-    return xval, s & 127
-
-
-def explicit_signs(x):
-    """(xval, sign byte uint32) per group of 8: bit i set where x_i < 0 (llama.cpp's IQ2_S/IQ3_S)."""
-    neg = ~(x >= 0)
-    bits = neg.astype(jnp.uint32) << jnp.arange(8, dtype=jnp.uint32)
-    s = bits[..., 0]
-    for i in range(1, 8):
-        s = s | bits[..., i]
-    return jnp.where(neg, -x, x), s
-
-
-def super_scale_codes(scales, nmax: int):
-    """(d float32 (m,), codes int32 (m, nsub), max_scale (m,)) with d = max_scale / 31 and
-    codes = clamp(nearest_int(0.5 * (scale / d - 1)), 0, nmax)."""
-    ms = seq_max(jnp.concatenate([jnp.zeros_like(scales[:, :1]), scales], axis=1))
-    d = div(ms, np.float32(31.0))
-    id_ = div(np.float32(1.0), jnp.where(ms > 0, d, np.float32(1.0)))
-    codes = jnp.clip(nearest_int(mul(np.float32(0.5), mul(id_[:, None], scales) - np.float32(1.0))), 0, nmax)
-    return d, codes, ms
-
 
 def _iq2_core(xb, qw, *, name: str, bsize: int, sigma_factor: float, eps: float):
     """Shared IQ2_XS / IQ2_S path: (m, 256) -> per 16-value sub-block scale, grid indices, signs, skip mask."""
@@ -238,32 +164,22 @@ def _encode_xxs_blocks(xb, qw):
     return jnp.where((ms == 0)[:, None], jnp.uint8(0), out)
 
 
-def _encode(block_fn, type_size, x, importance):
-    """Runs ``block_fn`` over the super-blocks of ``x`` (..., n) in chunks; uint8 (..., n // 256 * type_size)."""
-    xb, qw, lead, n = superblocks(x, importance)
-    if qw is None:
-        out = map_chunks(lambda a: block_fn(a, None), (xb,), CHUNK)
-    else:
-        out = map_chunks(block_fn, (xb, qw), CHUNK)
-    return out.reshape(*lead, n // QK_K * type_size)
-
-
 @jax.jit
 def encode_iq2_xxs(x, importance):
     """IQ2_XXS encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) -> uint8 (..., n // 256 * 66)."""
-    return _encode(_encode_xxs_blocks, 66, x, importance)
+    return encode_rows(_encode_xxs_blocks, 66, x, importance)
 
 
 @jax.jit
 def encode_iq2_xs(x, importance):
     """IQ2_XS encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) -> uint8 (..., n // 256 * 74)."""
-    return _encode(_encode_xs_blocks, 74, x, importance)
+    return encode_rows(_encode_xs_blocks, 74, x, importance)
 
 
 @jax.jit
 def encode_iq2_s(x, importance=None):
     """IQ2_S encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) or None -> uint8 (..., n // 256 * 82)."""
-    return _encode(_encode_s_blocks, 82, x, importance)
+    return encode_rows(_encode_s_blocks, 82, x, importance)
 
 
 decode_iq2_xxs = jax.jit(decode_iq2_xxs)
