@@ -102,16 +102,22 @@ def _encode_xxs_blocks(xb, qw):
 
 def _encode_s_blocks(xb, qw):
     m = xb.shape[0]
-    scale, gidx, signs, _ = _iq3_core(xb, qw, name="iq3s")
+    scale, gidx, signs, skip = _iq3_core(xb, qw, name="iq3s")
     d, codes, _ = super_scale_codes(scale, 15)
     hi = (gidx >> 8) << jnp.arange(8, dtype=jnp.uint32)
     qh = hi[..., 0]
     for k in range(1, 8):
         qh = qh | hi[..., k]
     sc = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    # llama.cpp advances its index-byte and sign-byte pointers only past sub-blocks it encoded: the bytes of
+    # encoded sub-blocks are packed to the front (all-zero sub-blocks leave no slot), the rest stay zero.
+    src = jnp.argsort(skip, axis=1, stable=True)
+    kept = jnp.arange(8)[None, :] < jnp.sum(~skip, axis=1, keepdims=True)
+    lo = jnp.where(kept[..., None], jnp.take_along_axis(gidx & 255, src[..., None], axis=1), 0)
+    sg = jnp.where(kept[..., None], jnp.take_along_axis(signs, src[..., None], axis=1), 0)
     return jnp.concatenate([le_bytes(fp16_bits(mul(d, np.float32(1.033)))[:, None], 2),
-                            (gidx & 255).reshape(m, 64).astype(jnp.uint8), qh.astype(jnp.uint8),
-                            signs.reshape(m, 32).astype(jnp.uint8), sc.astype(jnp.uint8)], axis=1)
+                            lo.reshape(m, 64).astype(jnp.uint8), qh.astype(jnp.uint8),
+                            sg.reshape(m, 32).astype(jnp.uint8), sc.astype(jnp.uint8)], axis=1)
 
 
 @jax.jit
