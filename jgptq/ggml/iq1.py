@@ -22,8 +22,8 @@ from jax import lax
 
 from jgptq.ggml import registry
 from jgptq.ggml.iq_block import encode_rows, grid_values, imatrix_weights, payload_blocks, row_sigma2
-from jgptq.ggml.iq_common import (div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, nearest_int, seq_max,
-                                  seq_sum)
+from jgptq.ggml.iq_common import (div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, nearest_int, prefix_sums,
+                                  seq_max, seq_sum)
 from jgptq.ggml.iq_grids import get_grid
 from jgptq.ggml.iq_search import compact_code, tables
 
@@ -91,7 +91,7 @@ def _split_scan(candidates, n_pairs: int, n_cand: int, mb: int):
 
     init = (jnp.full((mb,), -FLT_MAX), jnp.zeros((mb,), jnp.float32), jnp.full((mb,), -1, jnp.int32),
             jnp.zeros((mb,), jnp.int32))
-    _, scale, bp, bk = lax.fori_loop(0, n_pairs, step, init, unroll=4)
+    _, scale, bp, bk = lax.fori_loop(0, n_pairs, step, init, unroll=1)
     return scale, bp, bk
 
 
@@ -150,12 +150,8 @@ def _encode_s_blocks(xb, qw):
     x = x.reshape(mb, 32)
     skip = seq_max(jnp.abs(x)) < np.float32(1e-12)
     order, xs, ws = _sorted(x, weight)
-    px = mul(ws, xs)
-    sumx, sumw = [jnp.zeros((mb,), jnp.float32)], [jnp.zeros((mb,), jnp.float32)]
-    for j in range(32):
-        sumx.append(sumx[-1] + px[:, j])
-        sumw.append(sumw[-1] + ws[:, j])
-    sumx, sumw = jnp.stack(sumx), jnp.stack(sumw)  # (33, mb)
+    sums = prefix_sums(jnp.stack([mul(ws, xs), ws]))  # (33, 2, mb)
+    sumx, sumw = sums[:, 0], sums[:, 1]
     p1, p2 = (jnp.asarray(a) for a in _pairs(32))
 
     def candidates(p):
@@ -219,17 +215,14 @@ def _encode_m_blocks(xb, qw):
     x = x.reshape(mb, 16)
     skip = seq_max(jnp.abs(x)) < np.float32(1e-7)
     order, xs, ws = _sorted(x, weight)
-    half = order >= 8
+    # running sums per half of the block, in sorted order; an element of the other half adds +0, which leaves
+    # the sum unchanged (a running sum from +0 is never -0), as llama.cpp's copy does
+    second = order >= 8
     pwx = mul(ws, xs)
-    px = [[jnp.zeros((mb,), jnp.float32)] for _ in range(2)]
-    pw = [[jnp.zeros((mb,), jnp.float32)] for _ in range(2)]
-    for j in range(16):
-        for h in range(2):
-            mine = half[:, j] == bool(h)
-            px[h].append(jnp.where(mine, px[h][-1] + pwx[:, j], px[h][-1]))
-            pw[h].append(jnp.where(mine, pw[h][-1] + ws[:, j], pw[h][-1]))
-    px = [jnp.stack(v) for v in px]  # (17, mb) per half
-    pw = [jnp.stack(v) for v in pw]
+    zero = jnp.zeros_like(ws)
+    sums = prefix_sums(jnp.stack([jnp.where(second, zero, pwx), jnp.where(second, pwx, zero),
+                                  jnp.where(second, zero, ws), jnp.where(second, ws, zero)]))
+    px, pw = [sums[:, 0], sums[:, 1]], [sums[:, 2], sums[:, 3]]  # (17, mb) per half
     txp = [mul(px[h][16], X_P[2]) for h in range(2)]
     txm = [mul(px[h][16], X_M[2]) for h in range(2)]
     twp = [mul(mul(pw[h][16], X_P[2]), X_P[2]) for h in range(2)]

@@ -92,6 +92,23 @@ def seq_sum(p, axis=-1):
     return s
 
 
+def prefix_sums(p):
+    """Running sums along the last axis, from 0, one float32 addition at a time (a lax.scan).
+
+    Args:
+      p: float32 (..., n).
+    Returns:
+      float32 (n + 1, ...): entry j is p[..., 0] + ... + p[..., j - 1] summed left to right (entry 0 is zeros).
+    """
+    def step(c, v):
+        c = c + v
+        return c, c
+
+    zero = jnp.zeros(p.shape[:-1], p.dtype)
+    _, sums = lax.scan(step, zero, jnp.moveaxis(p, -1, 0))
+    return jnp.concatenate([zero[None], sums], axis=0)
+
+
 def seq_max(p, axis=-1):
     """llama.cpp's ``max = p[0]; max = MAX(max, p[i])`` along ``axis`` (plain max for non-NaN input)."""
     p = jnp.moveaxis(p, axis, -1)

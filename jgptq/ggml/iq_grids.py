@@ -101,28 +101,26 @@ def _neighbour_lists(levels: np.ndarray, nlev: int, nwant: int):
     """kmap and (distance, index)-ordered neighbour lists over all compact codes; see the module docstring."""
     n_grid, dim = levels.shape
     n_codes = nlev ** dim
-    codes = np.arange(n_codes)
-    code_levels = (codes[:, None] // (nlev ** np.arange(dim))) % nlev  # (n_codes, dim)
+    code_levels = (np.arange(n_codes)[:, None] // (nlev ** np.arange(dim))) % nlev  # (n_codes, dim)
     kmap = np.full(n_codes, -1, np.int32)
     compact = (levels * (nlev ** np.arange(dim))).sum(-1)
     kmap[compact] = np.arange(n_grid, dtype=np.int32)
-    lists = []
-    for start in range(0, n_codes, 1024):
-        cl = code_levels[start:start + 1024]
-        diff = 2 * cl[:, None, :] - 2 * levels[None, :, :]
-        d2 = (diff * diff).sum(-1)  # (chunk, n_grid)
-        for row, code in zip(d2, range(start, start + len(cl))):
-            if kmap[code] >= 0:
-                lists.append(np.zeros(0, np.int32))
-                continue
-            shells = np.unique(row)[:nwant]
-            members = np.nonzero(row <= shells[-1])[0]
-            order = np.lexsort((members, row[members]))  # by distance, then by grid index
-            lists.append(members[order].astype(np.int32))
-    counts = np.array([len(v) for v in lists], np.int32)
-    table = np.full((n_codes, max(1, int(counts.max()))), -1, np.int32)
-    for code, v in enumerate(lists):
-        table[code, :len(v)] = v
+    d2 = np.zeros((n_codes, n_grid), np.int16)  # squared distances in 2l+1 coordinates
+    cl, gl = code_levels.astype(np.int16), np.ascontiguousarray(levels.T.astype(np.int16))
+    for i in range(dim):
+        diff = cl[:, i:i + 1] - gl[i][None, :]
+        d2 += 4 * diff * diff
+    d2 = d2.astype(np.int32)
+    # the nwant-th smallest distinct distance of each code
+    limit = d2.min(axis=1)
+    for _ in range(nwant - 1):
+        limit = np.where(d2 > limit[:, None], d2, np.iinfo(np.int32).max).min(axis=1)
+    inside = d2 <= limit[:, None]
+    counts = np.where(kmap < 0, inside.sum(1), 0).astype(np.int32)
+    key = np.where(inside, d2 * n_grid + np.arange(n_grid)[None, :], np.iinfo(np.int32).max)
+    width = max(1, int(counts.max()))
+    key = np.sort(np.partition(key, width - 1, axis=1)[:, :width], axis=1)  # by distance, then grid index
+    table = np.where(np.arange(width)[None, :] < counts[:, None], key % n_grid, -1).astype(np.int32)
     return kmap, table, counts
 
 
