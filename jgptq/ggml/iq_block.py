@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jgptq.ggml.iq_common import (QK_K, div, map_chunks, mul, nearest_int, seq_max, seq_sum, sqrt,
                                   superblocks)
@@ -29,9 +30,13 @@ def grid_values(name):
 
 
 def sign_bits(sign_bytes):
-    """float32 (..., 8): -1 where bit j of the sign byte is set, else +1."""
+    """float32 (..., 8): -1 where bit j of the sign byte is set, else +1.
+
+    Built from the bits of 1.0 with the sign bit set, so that the compiler keeps the multiplication (a NaN times
+    -1 then keeps its sign, as in C) instead of turning it into a negation.
+    """
     bits = (sign_bytes[..., None].astype(jnp.uint32) >> jnp.arange(8, dtype=jnp.uint32)) & 1
-    return jnp.where(bits == 1, np.float32(-1.0), np.float32(1.0))
+    return lax.bitcast_convert_type(jnp.uint32(0x3F800000) | (bits << 31), jnp.float32)
 
 
 def row_sigma2(xb, factor: float):
