@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from jgptq.ggml import registry
-from jgptq.ggml.iq_block import encode_rows, grid_values, imatrix_weights, payload_blocks, row_sigma2
+from jgptq.ggml.iq_block import encode_rows, grid_values, imatrix_weights, pack_fields, payload_blocks, row_sigma2
 from jgptq.ggml.iq_common import (div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, nearest_int, prefix_sums,
                                   seq_max, seq_sum)
 from jgptq.ggml.iq_grids import get_grid
@@ -194,8 +194,8 @@ def _encode_s_blocks(xb, qw):
     qh = (gidx[..., 0] >> 8) | ((gidx[..., 1] >> 8) << 3) | ((gidx[..., 2] >> 8) << 6) | ((gidx[..., 3] >> 8) << 9)
     qh = qh | jnp.where(have[:, None], code << 12, 0)
     dbits = jnp.where(have, fp16_bits(mul(d, np.float32(1.125))), 0)
-    return jnp.concatenate([le_bytes(dbits[:, None], 2), (gidx & 255).reshape(m, 32).astype(jnp.uint8),
-                            le_bytes(qh, 2)], axis=1)
+    return pack_fields([le_bytes(dbits[:, None], 2), (gidx & 255).reshape(m, 32).astype(jnp.uint8),
+                        le_bytes(qh, 2)])
 
 
 _CP = (X_P[0] * X_P[0] - X_P[1] * X_P[1], X_P[1] * X_P[1] - X_P[2] * X_P[2])
@@ -284,8 +284,7 @@ def _encode_m_blocks(xb, qw):
     sc = jnp.where(have[:, None], sc, 0)
     qh = (gidx[..., 0] >> 8) | ((gidx[..., 1] >> 8) << 4)
     qh = qh | jnp.where(have[:, None], jnp.asarray(_MASKS)[bk], 0)
-    return jnp.concatenate([(gidx & 255).reshape(m, 32).astype(jnp.uint8), qh.astype(jnp.uint8),
-                            le_bytes(sc, 2)], axis=1)
+    return pack_fields([(gidx & 255).reshape(m, 32).astype(jnp.uint8), qh.astype(jnp.uint8), le_bytes(sc, 2)])
 
 
 @jax.jit

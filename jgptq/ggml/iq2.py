@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.ggml import registry
-from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, parity_signs,
-                                 payload_blocks, row_sigma2, sign_bits, super_scale_codes)
+from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, pack_fields,
+                                 parity_signs, payload_blocks, row_sigma2, sign_bits, super_scale_codes)
 from jgptq.ggml.iq_common import QK_K, div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid, ksigns
 from jgptq.ggml.iq_search import make_qp_quants, scale_search, tables, trial_numerators
@@ -113,11 +113,9 @@ def _encode_xs_blocks(xb, qw):
     m = xb.shape[0]
     scale, gidx, signs, _ = _iq2_core(xb, qw, name="iq2xs", bsize=16, sigma_factor=1.0, eps=1e-15)
     d, codes, ms = super_scale_codes(scale, 15)
-    zero = (ms == 0)[:, None]
     q2 = (gidx.astype(jnp.uint32) | (signs << 9)).reshape(m, 32)
     sc = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(jnp.uint32)
-    out = jnp.concatenate([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 2), sc.astype(jnp.uint8)], axis=1)
-    return jnp.where(zero, jnp.uint8(0), out)
+    return pack_fields([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 2), sc.astype(jnp.uint8)], zero=ms == 0)
 
 
 def _encode_s_blocks(xb, qw):
@@ -128,10 +126,9 @@ def _encode_s_blocks(xb, qw):
     hi = (gidx >> 8).reshape(m, 8, 4) << (2 * jnp.arange(4, dtype=jnp.uint32))
     qh = hi[..., 0] | hi[..., 1] | hi[..., 2] | hi[..., 3]
     sc = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    out = jnp.concatenate([le_bytes(fp16_bits(mul(d, np.float32(0.9875)))[:, None], 2),
-                           (gidx & 255).astype(jnp.uint8), signs.reshape(m, 32).astype(jnp.uint8),
-                           qh.astype(jnp.uint8), sc.astype(jnp.uint8)], axis=1)
-    return out
+    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(0.9875)))[:, None], 2),
+                        (gidx & 255).astype(jnp.uint8), signs.reshape(m, 32).astype(jnp.uint8),
+                        qh.astype(jnp.uint8), sc.astype(jnp.uint8)])
 
 
 def _encode_xxs_blocks(xb, qw):
@@ -160,8 +157,7 @@ def _encode_xxs_blocks(xb, qw):
     w1 = signs[..., 0] | (signs[..., 1] << 7) | (signs[..., 2] << 14) | (signs[..., 3] << 21)
     w1 = w1 | (codes.astype(jnp.uint32) << 28)
     q2 = jnp.stack([w0, w1], axis=-1).reshape(m, 16)
-    out = jnp.concatenate([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 4)], axis=1)
-    return jnp.where((ms == 0)[:, None], jnp.uint8(0), out)
+    return pack_fields([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 4)], zero=ms == 0)
 
 
 @jax.jit

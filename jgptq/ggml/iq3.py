@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.ggml import registry
-from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, parity_signs,
-                                 payload_blocks, row_sigma2, sign_bits, super_scale_codes)
+from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, pack_fields,
+                                 parity_signs, payload_blocks, row_sigma2, sign_bits, super_scale_codes)
 from jgptq.ggml.iq_common import div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid, ksigns
 from jgptq.ggml.iq_search import scale_search, tables, trial_numerators
@@ -95,9 +95,8 @@ def _encode_xxs_blocks(xb, qw):
     d, codes, ms = super_scale_codes(scale, 15)
     aux = signs[..., 0] | (signs[..., 1] << 7) | (signs[..., 2] << 14) | (signs[..., 3] << 21)
     aux = aux | (codes.astype(jnp.uint32) << 28)
-    out = jnp.concatenate([le_bytes(fp16_bits(mul(d, np.float32(1.0125)))[:, None], 2),
-                           gidx.reshape(m, 64).astype(jnp.uint8), le_bytes(aux, 4)], axis=1)
-    return jnp.where((ms == 0)[:, None], jnp.uint8(0), out)
+    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(1.0125)))[:, None], 2),
+                        gidx.reshape(m, 64).astype(jnp.uint8), le_bytes(aux, 4)], zero=ms == 0)
 
 
 def _encode_s_blocks(xb, qw):
@@ -115,9 +114,9 @@ def _encode_s_blocks(xb, qw):
     kept = jnp.arange(8)[None, :] < jnp.sum(~skip, axis=1, keepdims=True)
     lo = jnp.where(kept[..., None], jnp.take_along_axis(gidx & 255, src[..., None], axis=1), 0)
     sg = jnp.where(kept[..., None], jnp.take_along_axis(signs, src[..., None], axis=1), 0)
-    return jnp.concatenate([le_bytes(fp16_bits(mul(d, np.float32(1.033)))[:, None], 2),
-                            lo.reshape(m, 64).astype(jnp.uint8), qh.astype(jnp.uint8),
-                            sg.reshape(m, 32).astype(jnp.uint8), sc.astype(jnp.uint8)], axis=1)
+    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(1.033)))[:, None], 2),
+                        lo.reshape(m, 64).astype(jnp.uint8), qh.astype(jnp.uint8),
+                        sg.reshape(m, 32).astype(jnp.uint8), sc.astype(jnp.uint8)])
 
 
 @jax.jit

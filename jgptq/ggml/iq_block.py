@@ -39,6 +39,24 @@ def sign_bits(sign_bytes):
     return lax.bitcast_convert_type(jnp.uint32(0x3F800000) | (bits << 31), jnp.float32)
 
 
+def pack_fields(parts, zero=None):
+    """uint8 (m, sum of widths): the byte fields ``parts`` (each uint8 (m, width)) side by side.
+
+    Written field by field into a zero buffer (not one concatenation): XLA then fuses each field with its own
+    producers instead of recomputing every per-block value for every output byte. Rows where ``zero`` (bool (m,))
+    is set stay all zero.
+    """
+    m = parts[0].shape[0]
+    out = jnp.zeros((m, sum(p.shape[1] for p in parts)), jnp.uint8)
+    at = 0
+    for p in parts:
+        if zero is not None:
+            p = jnp.where(zero[:, None], jnp.uint8(0), p)
+        out = out.at[:, at:at + p.shape[1]].set(p.astype(jnp.uint8))
+        at += p.shape[1]
+    return out
+
+
 def row_sigma2(xb, factor: float):
     """``factor * sum(x**2) / 256`` per super-block (m,), summed in order like llama.cpp."""
     sumx2 = seq_sum(mul(xb, xb))

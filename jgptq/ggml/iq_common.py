@@ -110,12 +110,13 @@ def prefix_sums(p):
 
 
 def seq_max(p, axis=-1):
-    """llama.cpp's ``max = p[0]; max = MAX(max, p[i])`` along ``axis`` (plain max for non-NaN input)."""
-    p = jnp.moveaxis(p, axis, -1)
-    m = p[..., 0]
-    for i in range(1, p.shape[-1]):
-        m = jnp.where(m > p[..., i], m, p[..., i])
-    return m
+    """llama.cpp's ``max = p[0]; max = MAX(max, p[i])`` along ``axis``.
+
+    For non-NaN input this is the plain maximum, except that C may return -0.0 where this returns +0.0; every
+    caller only compares the result with a positive threshold or with zero, or divides by it after such a test.
+    A reduction (not a chain of selects): XLA keeps it in its own kernel.
+    """
+    return jnp.max(p, axis=axis)
 
 
 def fp16_bits(x):

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     for fmt in FORMATS.values():
         for mode in modes(fmt):
             payload = llama_cpp.quantize(x, fmt.type_id, None if mode == "none" else imps[mode])
-            deq = llama_cpp.dequantize(payload, fmt.type_id, fmt.name)
+            deq = llama_cpp.dequantize(payload, fmt.type_id)
             out[f"payload_{fmt.name}_{mode}"] = payload
             out[f"dequant_sha256_{fmt.name}_{mode}"] = np.array(hashlib.sha256(deq.tobytes()).hexdigest())
     try:

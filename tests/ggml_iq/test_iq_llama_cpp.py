@@ -46,12 +46,12 @@ def test_encoder_matches_llama_cpp(fresh, name, mode):
         n_all += same.size
         if not same.all():
             err_ours = weighted_block_error(x, np.asarray(fmt.decode(out)), imp)
-            err_ref = weighted_block_error(x, llama_cpp.dequantize(ref, fmt.type_id, name), imp)
+            err_ref = weighted_block_error(x, llama_cpp.dequantize(ref, fmt.type_id), imp)
             worse = ~same & (err_ours > err_ref * (1 + 1e-6) + 1e-30)
             assert not worse.any(), f"seed {seed}: {name}/{mode} blocks {np.nonzero(worse)[0]} differ and are worse"
         # our decoder on our bytes equals llama.cpp's dequantization of the same bytes
         assert np.array_equal(np.asarray(fmt.decode(out)).view(np.uint32),
-                              llama_cpp.dequantize(out, fmt.type_id, name).view(np.uint32))
+                              llama_cpp.dequantize(out, fmt.type_id).view(np.uint32))
     assert n_same >= 0.999 * n_all, f"seed {seed}: {name}/{mode}: {n_same}/{n_all} blocks identical"
 
 
