@@ -4,7 +4,8 @@ Weight: 4096 x 14336 float32 (one expert projection; N(0, 0.02) plus rare outlie
 importance vector (the GPTQ path: every format is encoded with importance). Per format, in one process:
 - jgptq encodes the whole weight: the first call (compile + run) and the median of repeated runs are timed;
 - llama.cpp's ``ggml_quantize_chunk`` encodes the first ``llama_rows`` rows on ``os.cpu_count()`` threads (rows are
-  independent, so its time is linear in rows; its throughput is what is compared);
+  independent, so its time is linear in rows; its throughput is what is compared), after an untimed one-row call
+  that builds its search tables;
 - throughputs in weights per second, their ratio (jgptq over llama.cpp), and the share of byte-identical blocks
   between the two on the rows both encoded;
 - the latency of one GPTQ-sized call: encoding a (4096, 256) column group.
@@ -66,6 +67,7 @@ def _one_format(name, x, imp, args, llama_cpp, have_llama):
     if have_llama:
         lr = min(args.llama_rows, rows)
         threads = os.cpu_count() or 1
+        llama_cpp.quantize(x[:1], fmt.type_id, imp)  # builds llama.cpp's search tables once, untimed
         t0 = time.perf_counter()
         ref = llama_cpp.quantize(x[:lr], fmt.type_id, imp, threads=threads)
         t_c = time.perf_counter() - t0

@@ -290,13 +290,13 @@ def _encode_m_blocks(xb, qw):
 @jax.jit
 def encode_iq1_s(x, importance):
     """IQ1_S encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) -> uint8 (..., n // 256 * 50)."""
-    return encode_rows(_encode_s_blocks, 50, x, importance)
+    return encode_rows(_encode_s_blocks, 50, x, importance, chunk=32768)
 
 
 @jax.jit
 def encode_iq1_m(x, importance=None):
     """IQ1_M encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) or None -> uint8 (..., n/256*56)."""
-    return encode_rows(_encode_m_blocks, 56, x, importance)
+    return encode_rows(_encode_m_blocks, 56, x, importance, chunk=32768)
 
 
 decode_iq1_s = jax.jit(decode_iq1_s)

@@ -175,7 +175,7 @@ def encode_iq2_xs(x, importance):
 @jax.jit
 def encode_iq2_s(x, importance=None):
     """IQ2_S encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) or None -> uint8 (..., n // 256 * 82)."""
-    return encode_rows(_encode_s_blocks, 82, x, importance)
+    return encode_rows(_encode_s_blocks, 82, x, importance, chunk=16384)
 
 
 decode_iq2_xxs = jax.jit(decode_iq2_xxs)

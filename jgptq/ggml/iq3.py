@@ -122,13 +122,13 @@ def _encode_s_blocks(xb, qw):
 @jax.jit
 def encode_iq3_xxs(x, importance=None):
     """IQ3_XXS encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) or None -> uint8 (..., n/256*98)."""
-    return encode_rows(_encode_xxs_blocks, 98, x, importance)
+    return encode_rows(_encode_xxs_blocks, 98, x, importance, chunk=16384)
 
 
 @jax.jit
 def encode_iq3_s(x, importance=None):
     """IQ3_S encoder: x float32 (..., n), n % 256 == 0, importance float32 (n,) or None -> uint8 (..., n/256*110)."""
-    return encode_rows(_encode_s_blocks, 110, x, importance)
+    return encode_rows(_encode_s_blocks, 110, x, importance, chunk=16384)
 
 
 decode_iq3_xxs = jax.jit(decode_iq3_xxs)

@@ -14,7 +14,7 @@ from jgptq.ggml.iq_common import (QK_K, div, map_chunks, mul, nearest_int, seq_m
                                   superblocks)
 from jgptq.ggml.iq_grids import get_grid
 
-CHUNK = 8192  # super-blocks per lax.map step in the encoders (bounds peak memory)
+CHUNK = 8192  # default super-blocks per lax.map step of an encoder (bounds peak memory)
 
 
 def payload_blocks(payload, type_size):
@@ -113,13 +113,16 @@ def super_scale_codes(scales, nmax: int):
     return d, codes, ms
 
 
-def encode_rows(block_fn, type_size, x, importance):
-    """Runs ``block_fn`` over the super-blocks of ``x`` (..., n) in chunks; uint8 (..., n // 256 * type_size)."""
+def encode_rows(block_fn, type_size, x, importance, chunk=CHUNK):
+    """Runs ``block_fn`` over the super-blocks of ``x`` (..., n), ``chunk`` super-blocks at a time.
+
+    Returns uint8 (..., n // 256 * type_size).
+    """
     xb, qw, lead, n = superblocks(x, importance)
     if qw is None:
-        out = map_chunks(lambda a: block_fn(a, None), (xb,), CHUNK)
+        out = map_chunks(lambda a: block_fn(a, None), (xb,), chunk)
     else:
-        out = map_chunks(block_fn, (xb, qw), CHUNK)
+        out = map_chunks(block_fn, (xb, qw), chunk)
     return out.reshape(*lead, n // QK_K * type_size)
 
 

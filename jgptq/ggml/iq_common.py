@@ -37,8 +37,15 @@ def _x64():
 
 
 def opaque(p):
-    """``p`` unchanged for every non-NaN value, hidden from floating-point contraction and narrowing."""
-    return jnp.where(p == p, p, jnp.zeros((), p.dtype))
+    """``p`` unchanged (bit for bit, NaNs included but one NaN pattern), hidden from contraction and narrowing.
+
+    A select on the integer bits whose arms are both non-constant: the compiler can neither fold it (that would
+    need the bits to be known) nor push a following addition into its arms, so a product passed through it is
+    rounded before any addition, whatever fast-math flags the backend sets on floating-point operations.
+    """
+    bits = lax.bitcast_convert_type(p, jnp.uint32)
+    other = lax.bitcast_convert_type(bits ^ jnp.uint32(1), p.dtype)
+    return jnp.where(bits != jnp.uint32(0x7FC00001), p, other)
 
 
 def mul(a, b):

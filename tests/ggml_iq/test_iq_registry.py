@@ -39,3 +39,16 @@ def test_vmap_and_jit_give_the_same_bytes(name):
     for e in range(2):
         assert np.array_equal(np.asarray(payload[e]), np.asarray(fmt.encode(experts[e], imp)))
     assert np.array_equal(np.asarray(y), np.asarray(fmt.decode(payload)))
+
+
+def test_chunked_encoding_matches_golden():
+    """Encoding in padded chunks (lax.map over 24 super-blocks at a time) gives the unchunked bytes."""
+    import os
+
+    from jgptq.ggml import iq3
+    from jgptq.ggml.iq_block import encode_rows
+
+    with np.load(os.path.join(os.path.dirname(__file__), "..", "data", "ggml_iq", "golden.npz")) as g:
+        x, imp, ref = g["x"], g["imp_rand"], g["payload_IQ3_S_rand"]
+    out = jax.jit(lambda a, b: encode_rows(iq3._encode_s_blocks, 110, a, b, chunk=24))(x, imp)
+    assert np.array_equal(np.asarray(out), ref)
