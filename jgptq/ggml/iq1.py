@@ -73,8 +73,10 @@ def decode_iq1_m(payload):
 
 # ----------------------------------------------------------------------------------------------- encoders
 
-def _split_scan(candidates, n_pairs: int, n_cand: int, mb: int):
-    """llama.cpp's running best over splits: ``candidates(p) -> [(sumqx, sumq2)] * n_cand`` for split p.
+def _split_scan(candidates, n_pairs: int, mb: int):
+    """llama.cpp's running best over splits: ``candidates(p) -> [(sumqx, sumq2), ...]`` for split p.
+
+    A candidate replaces the best when sumq2 > 0 and sumqx**2 > best * sumq2, in split then candidate order.
 
     Returns (scale, pair index, candidate index) per block; pair index -1 when nothing was accepted.
     """
@@ -91,7 +93,7 @@ def _split_scan(candidates, n_pairs: int, n_cand: int, mb: int):
 
     init = (jnp.full((mb,), -FLT_MAX), jnp.zeros((mb,), jnp.float32), jnp.full((mb,), -1, jnp.int32),
             jnp.zeros((mb,), jnp.int32))
-    _, scale, bp, bk = lax.fori_loop(0, n_pairs, step, init, unroll=1)
+    _, scale, bp, bk = lax.fori_loop(0, n_pairs, step, init)
     return scale, bp, bk
 
 
@@ -134,7 +136,12 @@ def _group_values(gidx, vals, t):
 
 
 def _sorted(x, w):
-    """Stable ascending sort of each row of x (mb, n): (order, sorted x, w in that order)."""
+    """Stable ascending sort of each row of x (mb, n): (order, sorted x, w in that order).
+
+    llama.cpp sorts with the C library's qsort comparing values only; glibc sorts arrays this small with a
+    stable merge sort (equal values keep their index order), which is what a stable sort reproduces. -0.0 and
+    +0.0 compare equal in both.
+    """
     order = jnp.argsort(x, axis=-1, stable=True)
     xs = jnp.take_along_axis(x, order, axis=-1)
     ws = jnp.take_along_axis(w, order, axis=-1)
@@ -165,7 +172,7 @@ def _encode_s_blocks(xb, qw):
             out.append((sqx, sq2))
         return out
 
-    scale, bp, bk = _split_scan(candidates, 561, 2, mb)
+    scale, bp, bk = _split_scan(candidates, 561, mb)
     skip = skip | (bp < 0)
     bp = jnp.maximum(bp, 0)
     lev = _levels_from_split(order, p1[bp], p2[bp])
@@ -241,7 +248,7 @@ def _encode_m_blocks(xb, qw):
         return [(qxp[0] + qxp[1], q2p[0] + q2p[1]), (qxp[0] + qxm[1], q2p[0] + q2m[1]),
                 (qxm[0] + qxp[1], q2m[0] + q2p[1]), (qxm[0] + qxm[1], q2m[0] + q2m[1])]
 
-    scale, bp, bk = _split_scan(candidates, 153, 4, mb)
+    scale, bp, bk = _split_scan(candidates, 153, mb)
     skip = skip | (bp < 0)
     bp = jnp.maximum(bp, 0)
     lev = _levels_from_split(order, p1[bp], p2[bp])

@@ -12,6 +12,11 @@ sequential loop, divisions and square roots are correctly rounded. XLA breaks ea
 - its reductions are trees. :func:`seq_sum` adds along an axis left to right, like a C loop.
 
 Every function is pure jnp, traceable under jit and vmap.
+
+One difference is left: XLA on CPU flushes subnormal float32 results to zero, C does not. Blocks whose values are
+so small (around 1e-7 and below, depending on the importance) that llama.cpp's products and sums fall below
+2**-126 can encode differently on CPU; they match llama.cpp run with subnormals flushed (FTZ+DAZ), which the
+tests check.
 """
 
 from __future__ import annotations
