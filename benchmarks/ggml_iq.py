@@ -111,7 +111,7 @@ def main(argv=None):
     for name in [f.strip().lower() for f in args.formats.split(",") if f.strip()]:
         elapsed = time.perf_counter() - start
         expected = 1.3 * max(durations) if durations else 0.0
-        if elapsed + expected > args.budget:
+        if elapsed + expected > args.budget or args.budget <= 0:
             result["formats"][name] = {"skipped": f"time budget: {elapsed:.0f}s used of {args.budget:.0f}s"}
             continue
         t0 = time.perf_counter()
