@@ -1,0 +1,220 @@
+"""The grid-constrained scale search shared by the IQ2 and IQ3 encoders (llama.cpp's algorithm, bit-exact).
+
+A sub-block of ``B`` non-negative values ``xval`` (signs are stored apart) is cut into groups of ``G`` (8 or 4). For
+each trial inverse scale ``id`` the encoder rounds every value to a level ``l = round((id * xval - 1) / 2)`` in
+``0..kmax-1``; a group whose level code is not a grid point is replaced by the neighbour (from the code's
+neighbour list) closest in ``sqrt(weight)``-weighted distance at the trial scale. The trial whose least-squares
+scale gives the largest ``sumqx**2 / sumq2`` wins; llama.cpp then requantizes with the winning scale and refits it.
+
+Everything works on ``m`` sub-blocks at once: arrays are ``(m, B)`` float32; grid choices are ``(m, B // G)``
+int32 grid indices. Sequential C loops (over trials) are ``lax.fori_loop``; per-trial work is vectorized.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jgptq.ggml.iq_common import div, mul, nearest_int, seq_max, seq_sum
+from jgptq.ggml.iq_grids import IQGrid
+
+
+class GridTables(NamedTuple):
+    """jnp views of an :class:`IQGrid` for the encoders."""
+
+    levels: jnp.ndarray  # int32 (n_grid, G)
+    qvals: jnp.ndarray  # float32 (n_grid, G): the encoder's model 2l + 1
+    kmap: jnp.ndarray  # int32 (n_codes,)
+    neighbours: jnp.ndarray  # int32 (n_codes, max_nb), -1 padded
+    nlev: int
+
+
+def tables(grid: IQGrid) -> GridTables:
+    """Builds the jnp tables of ``grid``."""
+    return GridTables(levels=jnp.asarray(grid.levels), qvals=jnp.asarray(2.0 * grid.levels + 1.0, jnp.float32),
+                      kmap=jnp.asarray(grid.kmap), neighbours=jnp.asarray(grid.neighbours), nlev=grid.nlev)
+
+
+def _grouped(a, g):
+    return a.reshape(*a.shape[:-1], a.shape[-1] // g, g)
+
+
+def compact_code(levels, nlev: int):
+    """int32 (..., ngroups): compact code sum_i l_i * nlev**i of level groups (..., ngroups, G)."""
+    code = levels[..., 0]
+    for i in range(1, levels.shape[-1]):
+        code = code + levels[..., i] * (nlev ** i)
+    return code
+
+
+def nearest_neighbour(code, xg, wg, scale, t: GridTables, qvals=None):
+    """Grid index minimizing sum_i wg_i * (scale * q_i - xg_i)**2 over the neighbour list of each code.
+
+    The first minimum in list order wins (llama.cpp's strict ``<`` scan).
+
+    Args:
+      code: int32 (m, ngroups) compact codes (off-grid ones are meaningful; others give some list).
+      xg, wg: float32 (m, ngroups, G).
+      scale: float32 (m,).
+      t: grid tables.
+      qvals: float32 (n_grid, G) candidate values (default: t.qvals).
+    Returns:
+      int32 (m, ngroups) grid indices.
+    """
+    qvals = t.qvals if qvals is None else qvals
+    nb = t.neighbours[code]  # (m, ngroups, K)
+    valid = nb >= 0
+    idx = jnp.maximum(nb, 0)
+    s = scale[:, None, None]
+    d2 = None
+    for i in range(xg.shape[-1]):
+        q = qvals[:, i][idx]
+        diff = mul(s, q) - xg[..., i:i + 1]
+        term = mul(mul(wg[..., i:i + 1], diff), diff)
+        d2 = term if d2 is None else d2 + term
+    d2 = jnp.where(valid, d2, jnp.inf)
+    j = jnp.argmin(d2, axis=-1)
+    return jnp.take_along_axis(nb, j[..., None], axis=-1)[..., 0]
+
+
+def round_to_grid(xval, waux, id_, scale, t: GridTables, g: int, kmax: int):
+    """Levels of ``xval`` at inverse scale ``id_``; off-grid groups go to their nearest neighbour at ``scale``.
+
+    Returns (grid index int32 (m, ngroups), on_grid bool (m, ngroups)).
+    """
+    t1 = mul(id_[:, None], xval) - np.float32(1.0)
+    lev = jnp.clip(nearest_int(mul(np.float32(0.5), t1)), 0, kmax - 1)
+    code = compact_code(_grouped(lev, g), t.nlev)
+    gi = t.kmap[code]
+    on_grid = gi >= 0
+    nb = nearest_neighbour(code, _grouped(xval, g), _grouped(waux, g), scale, t)
+    return jnp.where(on_grid, gi, nb), on_grid
+
+
+def fit_sums(xval, weight, gidx, t: GridTables):
+    """(sumqx, sumq2) of the levels of grid choices ``gidx`` (m, ngroups) against ``xval``, as llama.cpp sums them."""
+    q = t.qvals[gidx].reshape(xval.shape)
+    sumqx = seq_sum(mul(mul(weight, xval), q))
+    sumq2 = seq_sum(mul(mul(weight, q), q))
+    return sumqx, sumq2
+
+
+def trial_numerators(kmax: int, step: float, lo: int, hi: int) -> np.ndarray:
+    """float32 numerators ``(2*kmax - 1) + is*step`` for is = lo..hi, rounded as the C expression rounds them."""
+    return np.array([np.float32(2 * kmax - 1) + np.float32(is_) * np.float32(step) for is_ in range(lo, hi + 1)],
+                    np.float32)
+
+
+def scale_search(xval, weight, waux, base, scale0, t: GridTables, *, g: int, kmax: int, numerators: np.ndarray,
+                 on_grid_init: bool, requant: str):
+    """llama.cpp's trial loop, requantization and refit for one sub-block per row.
+
+    Args:
+      xval, weight, waux: float32 (m, B).
+      base: float32 (m,) the value the trial numerators are divided by (max or eff_max).
+      scale0: float32 (m,) scale kept when no trial is accepted.
+      t, g, kmax: grid tables, group size, number of levels.
+      numerators: float32 numpy (n_trials,).
+      on_grid_init: initial "group was on the grid" flags (the requant decision when no trial is accepted).
+      requant: "all" (requantize every group if scale > 0), "offgrid" (only off-grid groups, if any and
+        scale > 0) or "all_if_offgrid" (every group, if any is off grid and scale > 0).
+    Returns:
+      (scale float32 (m,) — may be negative, grid index int32 (m, B // g)).
+    """
+    m, b = xval.shape
+    ng = b // g
+    nums = jnp.asarray(numerators)
+
+    def trial(k, carry):
+        best, scale, gidx, on_grid = carry
+        id_ = div(nums[k], base)
+        this_scale = div(np.float32(1.0), id_)
+        gi, og = round_to_grid(xval, waux, id_, this_scale, t, g, kmax)
+        sumqx, sumq2 = fit_sums(xval, weight, gi, t)
+        accept = (sumq2 > 0) & (mul(sumqx, sumqx) > mul(best, sumq2))
+        new_scale = div(sumqx, sumq2)
+        new_best = mul(new_scale, sumqx)
+        a1 = accept[:, None]
+        return (jnp.where(accept, new_best, best), jnp.where(accept, new_scale, scale),
+                jnp.where(a1, gi, gidx), jnp.where(a1, og, on_grid))
+
+    init = (jnp.zeros((m,), jnp.float32), scale0, jnp.zeros((m, ng), jnp.int32),
+            jnp.full((m, ng), on_grid_init, bool))
+    _, scale, gidx, on_grid = lax.fori_loop(0, len(numerators), trial, init)
+
+    any_off = jnp.any(~on_grid, axis=-1)
+    if requant == "all":
+        do = scale > 0
+        groups = jnp.ones_like(on_grid)
+    elif requant == "offgrid":
+        do = any_off & (scale > 0)
+        groups = ~on_grid
+    elif requant == "all_if_offgrid":
+        do = any_off & (scale > 0)
+        groups = jnp.ones_like(on_grid)
+    else:
+        raise ValueError(f"unknown requant mode {requant!r}")
+    safe = jnp.where(do, scale, np.float32(1.0))
+    gi, _ = round_to_grid(xval, waux, div(np.float32(1.0), safe), safe, t, g, kmax)
+    gidx = jnp.where(do[:, None] & groups, gi, gidx)
+    sumqx, sumq2 = fit_sums(xval, weight, gidx, t)
+    scale = jnp.where(do & (sumq2 > 0), div(sumqx, sumq2), scale)
+    return scale, gidx
+
+
+def make_qp_quants(x, w, nmax: int):
+    """llama.cpp's ``make_qp_quants`` scale for rows of ``x`` (m, n) with weights ``w`` (m, n) -> float32 (m,).
+
+    Quantizes non-negative values to 0..nmax: a 9-trial scale search by weighted squared error, then up to five
+    coordinate-descent passes. Levels are kept modulo 256 like the C ``uint8_t`` array they live in.
+    """
+    n = x.shape[-1]
+    fmax = jnp.maximum(seq_max(x), np.float32(0.0))
+    small = fmax < np.float32(1e-15)
+    fmax = jnp.where(small, np.float32(1.0), fmax)
+    iscale = div(np.float32(nmax), fmax)
+    l0 = nearest_int(mul(iscale[:, None], x)) & 255
+    scale = div(np.float32(1.0), iscale)
+    diff = x - mul(scale[:, None], l0.astype(jnp.float32))
+    best_mse = seq_sum(mul(mul(w, diff), diff))
+    for is_ in (-4, -3, -2, -1, 1, 2, 3, 4):
+        iscale_is = div(np.float32(0.1) * np.float32(is_) + np.float32(nmax), fmax)
+        scale_is = div(np.float32(1.0), iscale_is)
+        lq = jnp.minimum(nmax, nearest_int(mul(iscale_is[:, None], x)))
+        diff = x - mul(scale_is[:, None], lq.astype(jnp.float32))
+        mse = seq_sum(mul(mul(w, diff), diff))
+        better = mse < best_mse
+        best_mse = jnp.where(better, mse, best_mse)
+        iscale = jnp.where(better, iscale_is, iscale)
+    lq = jnp.minimum(nmax, nearest_int(mul(iscale[:, None], x)))
+    lf = lq.astype(jnp.float32)
+    sumlx = seq_sum(mul(mul(w, x), lf))
+    suml2 = seq_sum(mul(mul(w, lf), lf))
+    # Coordinate descent: element by element, five passes (a pass that changes nothing leaves every later pass
+    # unchanged too, so running all five equals llama.cpp's early exit). Columns lead for cheap dynamic indexing.
+    xt, wt, wxt = x.T, w.T, mul(w, x).T
+    lt = (lq & 255).T
+
+    def step(k, carry):
+        lt, sumlx, suml2 = carry
+        i = k % n
+        xi, wi, wxi = xt[i], wt[i], wxt[i]
+        li_int = lt[i]
+        li = li_int.astype(jnp.float32)
+        slx = sumlx - mul(wxi, li)
+        sl2 = suml2 - mul(mul(wi, li), li)
+        ok = (slx > 0) & (sl2 > 0)
+        new_l = jnp.minimum(nmax, nearest_int(div(mul(xi, sl2), slx)))
+        nf = new_l.astype(jnp.float32)
+        slx2 = slx + mul(wxi, nf)
+        sl22 = sl2 + mul(mul(wi, nf), nf)
+        accept = ok & (new_l != li_int) & (mul(mul(slx2, slx2), suml2) > mul(mul(sumlx, sumlx), sl22))
+        lt = lt.at[i].set(jnp.where(accept, new_l & 255, li_int))
+        return lt, jnp.where(accept, slx2, sumlx), jnp.where(accept, sl22, suml2)
+
+    _, sumlx, suml2 = lax.fori_loop(0, 5 * n, step, (lt, sumlx, suml2))
+    out = jnp.where(suml2 > 0, div(sumlx, jnp.where(suml2 > 0, suml2, np.float32(1.0))), np.float32(0.0))
+    return jnp.where(small, np.float32(0.0), out)
