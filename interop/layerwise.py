@@ -54,9 +54,10 @@ import torch
 from interop import calib as calib_mod
 from interop import capture, models
 from interop.dlpack import to_jax
-from interop.report import ModuleRecord, QuantizedWeight, QuantizeResult, Report
+from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import Part, solve_layer
 from jgptq.config import PipelineConfig
+from jgptq.export.records import QuantizedWeight
 
 try:
     from tqdm.auto import tqdm
@@ -209,25 +210,25 @@ def _write_back(part, weight):
 
 
 def _store(weights, names, part, res, cfg):
-    """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them)."""
+    """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them) as
+    :class:`jgptq.export.QuantizedWeight` records."""
     q = cfg.quant
-    codes, scales, zeros = (np.asarray(a) for a in (res.codes, res.scales, res.zeros))
-    g_idx, perm = np.asarray(res.g_idx), np.asarray(res.perm)
-    method = res.method
+    codes, scales, zeros, g_idx = (np.asarray(a) for a in (res.codes, res.scales, res.zeros, res.g_idx))
+    common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, act_order=q.act_order, scale_dtype=q.scale_dtype,
+                  transposed=part.transposed)
     for key, expert, rows in names[part.param]:
         rows = rows.numpy()
-        common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, transposed=part.transposed)
         if part.kind == "linear" or expert is not None:
             e = 0 if expert is None else expert
-            weights[key] = QuantizedWeight(key, codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
-                                           perm[e], method=method[e], **common)
+            weights[key] = QuantizedWeight(codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
+                                           method=res.method[e], **common)
         else:
             n, r = codes.shape[:2]
             if not np.array_equal(rows, np.arange(n * r)):
                 raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
-            weights[key] = QuantizedWeight(key, codes, scales, zeros, g_idx, perm,
-                                           method="gptq" if all(m == "gptq" for m in method) else "mixed",
-                                           **common)
+            methods = set(res.method)
+            weights[key] = QuantizedWeight(codes, scales, zeros, g_idx,
+                                           method=methods.pop() if len(methods) == 1 else "mixed", **common)
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
@@ -263,7 +264,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     run_device = torch.device(device) if device is not None else _param_device(layers[0])
     report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
-    result = QuantizeResult(model, {}, report)
+    result = QuantizeResult(model, {}, report, config=cfg)
     has_experts = any(t.experts for t in targets)
     was_training = model.training
     model.eval()
