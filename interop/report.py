@@ -157,6 +157,8 @@ class QuantizeResult:
       report: the :class:`Report`.
       hessians: (layer, Hessian key) -> (finalized Hessian jax.Array, token counts) when ``keep_hessians``.
       config: the :class:`jgptq.config.PipelineConfig` of the run.
+      param_keys: model parameter name (``state_dict`` naming) -> the checkpoint keys of ``weights`` its rows
+        went to (exporters drop these parameters from the unquantized tensors).
     """
 
     model: object
@@ -164,6 +166,7 @@ class QuantizeResult:
     report: Report
     hessians: dict = dataclasses.field(default_factory=dict)
     config: object = None
+    param_keys: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return self.report.summary()
