@@ -137,7 +137,7 @@ def _ignore_list(model, state: dict) -> list:
 
 def model_config_dict(model) -> dict:
     """The model's ``config.json`` contents as ``save_pretrained`` writes them (dtype and architectures set)."""
-    cfg = model.config.to_dict()
+    cfg = model.config.to_diff_dict()  # what save_pretrained writes: no local paths, defaults left out
     cfg.pop("quantization_config", None)
     cfg["dtype"] = str(model.dtype).split(".")[-1]
     cfg["architectures"] = [type(model).__name__]

@@ -57,7 +57,7 @@ def fingerprint(model, batch_list, cfg, layer_count: int) -> dict:
 
     h = hashlib.blake2b(digest_size=16)
     h.update(type(model).__name__.encode())
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
     for name, t in model.state_dict().items():
         _hash_tensor(h, name, t)
     c = hashlib.blake2b(digest_size=16)
