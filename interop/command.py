@@ -79,7 +79,11 @@ def model_dtype(model_dir: Path, requested: str) -> str:
 
 
 def build_config(args, dtype: str) -> PipelineConfig:
-    """The pipeline configuration of the command-line options (scales stored as the exporter needs them)."""
+    """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
+
+    Raises:
+      interop.export.ExportError: a format the chosen exporter cannot hold; ValueError: an invalid option.
+    """
     if args.export == "gptq":
         scale_dtype = "float16"          # GPTQ v1 stores float16 scales
     elif dtype in SCALE_DTYPES:
@@ -88,6 +92,9 @@ def build_config(args, dtype: str) -> PipelineConfig:
         scale_dtype = "float16"
     quant = QuantConfig(format=args.format, bits=args.bits, group_size=args.group_size, sym=args.sym,
                         act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
+    from interop.export import check_format
+
+    check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
     return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
                                 max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens)
@@ -123,11 +130,8 @@ def run_quantize(args) -> int:
     t_start = time.perf_counter()
     model_dir = check_model_dir(args.model_dir)
     files = paths_for(args.out)
-    from interop.export import check_format
-
     dtype = model_dtype(model_dir, args.dtype)
     cfg = build_config(args, dtype)
-    check_format(args.export, cfg.quant)
     check_output(files["out"], args.overwrite)
     max_shard = parse_size(args.max_shard_size)
 
@@ -136,6 +140,10 @@ def run_quantize(args) -> int:
     texts = calib_mod.read_texts(args.calib)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if args.quiet:
+        hf_logging.disable_progress_bar()
 
     tok_dir = args.tokenizer or model_dir
     try:
@@ -156,6 +164,13 @@ def run_quantize(args) -> int:
     from interop.export import export_model
     from interop.layerwise import quantize_moe
 
+    state = files["work"] / "state.json"
+    if state.exists() and args.resume:
+        import json
+
+        done = json.loads(state.read_text()).get("layers_done")
+        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
+            args.quiet)
     result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
     log(f"exporting {args.export} to {files['out']}", args.quiet)
     export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
