@@ -10,8 +10,9 @@ Kinds:
 
 - ``"gptq"``: GPTQ v1 (``qweight``/``qzeros``/``scales``/``g_idx``, :func:`jgptq.export.export_gptq_v1`);
 - ``"compressed-tensors"``: ``pack-quantized`` (:func:`jgptq.export.export_compressed_tensors`);
-- ``"gguf"``: a GGUF file, by :func:`interop.gguf_export.export_gguf` (a separate module; an error says so when
-  it is not installed).
+- ``"gguf"``: a GGUF file, by ``interop.gguf_export.export_gguf(model, result, out, overwrite=..., **options)``
+  (a separate module, given ``tokenizer=`` / ``source_dir=`` when it takes them; an error says so when it is not
+  installed).
 
 The folder holds what ``save_pretrained`` would write, with the quantized weights in the chosen format: every
 other tensor of the model (embeddings, norms, routers, lm_head, biases, persistent buffers) under its checkpoint
@@ -24,6 +25,7 @@ the output path as it was.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -193,6 +195,11 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
             check_format(kind, None)
         from interop.gguf_export import export_gguf
 
+        accepted = inspect.signature(export_gguf).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        for name, value in (("tokenizer", tokenizer), ("source_dir", source_dir)):
+            if value is not None and (anything or name in accepted):
+                options[name] = value
         return export_gguf(model, result, out_dir, overwrite=overwrite, **options)
     out = check_output_dir(out_dir, overwrite)
     if not result.weights:

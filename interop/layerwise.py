@@ -11,7 +11,13 @@ Usage::
                                 max_length=2048)
     print(result.report)                   # per-layer losses, expert coverage, fallbacks, seconds per stage
     result.report.to_json("report.json")
-    result.weights["model.layers.0.mlp.experts.5.gate_proj.weight"].codes    # for exporters
+    result.weights["model.layers.0.mlp.experts.5.gate_proj.weight"].codes    # jgptq.export.QuantizedWeight
+
+    from interop.export import export_model                 # a checkpoint folder serving stacks load
+    export_model(model, result, "compressed-tensors", "Qwen3-30B-A3B-w4g128", tokenizer=tok)
+
+With ``checkpoint_dir="run.state"`` the run's state is written after every layer; started again with the same
+arguments after a crash, the run continues from its last finished layer (:mod:`interop.resume`).
 
 ``calib`` is token ids, a list of them, a tokenizer's dict, or text with ``tokenizer=`` (:mod:`interop.calib`).
 Options are fields of :class:`jgptq.config.PipelineConfig`, :class:`~jgptq.config.QuantConfig` (``bits``,

@@ -126,6 +126,12 @@ def main(argv=None) -> int:
         from interop.demo import run_demo
 
         return run_demo(args)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in ("torch", "transformers", "tokenizers"):
+            print(f"jgptq: error: 'jgptq {args.command}' runs transformers models and needs {exc.name}; install "
+                  f"them with: pip install 'jgptq[torch]'", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         print("jgptq: interrupted; run the same command again to continue from the last finished layer",
               file=sys.stderr)
