@@ -19,11 +19,15 @@ OPTS = dict(bits=4, group_size=16, batch_size=8, progress=False)
 _RUNS: dict = {}
 
 
-def run(family="qwen3_moe", **opts):
+def run(family="qwen3_moe", dtype=torch.float32, **opts):
     """(quantized model, result), cached per module (the compiles are the cost)."""
-    key = (family, tuple(sorted(opts.items())))
+    key = (family, dtype, tuple(sorted(opts.items())))
     if key not in _RUNS:
         model = build(family)
+        if dtype != torch.float32:  # as transformers makes low-precision models: rotary tables stay float32
+            low = transformers.AutoModelForCausalLM.from_config(model.config, dtype=dtype).eval()
+            low.load_state_dict(model.state_dict())
+            model = low
         _RUNS[key] = (model, jgptq.quantize_moe(model, CALIB, **{**OPTS, **opts}))
     return _RUNS[key]
 
@@ -52,31 +56,37 @@ def test_compressed_tensors_round_trip_and_transformers_load(tmp_path):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    for sym in (False, True):  # float32 scales: the model is float32 (round-to-nearest grids suffice for False)
-        model, result = run(sym=sym, scale_dtype="float32", method="gptq" if sym else "rtn")
-        out = tmp_path / f"ct-{sym}"
+    # float32 model, asymmetric round-to-nearest grids; bfloat16 model (as real ones are), symmetric GPTQ grids;
+    # scales are stored in the model dtype, so that loaders decode exactly
+    for sym, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        scale_dtype = str(dtype).split(".")[1]
+        model, result = run(dtype=dtype, sym=sym, scale_dtype=scale_dtype, method="gptq" if sym else "rtn")
+        out = tmp_path / f"ct-{scale_dtype}"
         export_model(model, result, "compressed-tensors", out)
         config = json.loads((out / "config.json").read_text())
         qc = config["quantization_config"]
         assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+        assert config["dtype"] == scale_dtype
         assert qc["ignore"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
         scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
-        tensors = read_checkpoint(out)
         assert (out / "generation_config.json").is_file()
+        with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         for key, rec in result.weights.items():
             name = key[: -len(".weight")]
-            state = {k[len(name) + 1:]: torch.from_numpy(v) for k, v in tensors.items()
-                     if k.startswith(name + ".")}
+            state = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
             assert set(state) == {"weight_packed", "weight_scale", "weight_shape"} | (
                 set() if sym else {"weight_zero_point"})
             w = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
-            assert np.array_equal(w.numpy(), rec.dequantize()), key
-    # transformers reads the (symmetric: its per-expert dequantizer ignores zero points) checkpoint, fusing the
-    # per-expert tensors back, and holds exactly the quantized model
+            assert w.dtype == dtype and torch.equal(w, torch.from_numpy(rec.dequantize()).to(dtype)), key
+    # transformers reads the (symmetric: its per-expert dequantizer drops zero points) bfloat16 checkpoint, fusing
+    # the per-expert tensors back, and holds exactly the quantized model
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert loaded.dtype == torch.bfloat16
     mine, theirs = model.state_dict(), loaded.state_dict()
     assert set(mine) == set(theirs)
     for k in mine:
@@ -118,7 +128,7 @@ def test_refusals_name_the_rule_and_write_nothing(tmp_path):
 
     from jgptq.export import QuantizedWeight
 
-    model, result = run(sym=True, scale_dtype="float32", method="gptq")
+    model, result = run(dtype=torch.bfloat16, sym=True, scale_dtype="bfloat16", method="gptq")
     with pytest.raises(ExportError, match="unknown export kind"):
         export_model(model, result, "awq", tmp_path / "a")
 
