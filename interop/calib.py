@@ -118,3 +118,49 @@ def batches(calib, *, tokenizer=None, batch_size: int = 8, max_length=None, pad_
 def token_count(batch_list: list) -> int:
     """Real (unmasked) tokens in a list of batches."""
     return int(sum(int(b.attention_mask.sum()) for b in batch_list))
+
+
+def read_texts(path) -> list:
+    """Calibration texts from a UTF-8 text file, or from every ``*.txt`` file of a folder (sorted by name).
+
+    Raises:
+      FileNotFoundError: the path does not exist; ValueError: a folder without ``.txt`` files, or only empty text.
+    """
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"calibration path {str(p)!r} does not exist")
+    files = sorted(f for f in p.iterdir() if f.suffix == ".txt" and f.is_file()) if p.is_dir() else [p]
+    if not files:
+        raise ValueError(f"calibration folder {str(p)!r} holds no .txt files")
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"calibration set {str(p)!r} is empty (no text in {len(files)} file(s))")
+    return texts
+
+
+def token_windows(texts, tokenizer, seq_len: int, samples: int) -> torch.Tensor:
+    """Calibration sequences cut from texts: (N, seq_len) int64 token ids, N <= ``samples``.
+
+    The texts are joined with blank lines and tokenized once (no special tokens), then cut into consecutive
+    windows of ``seq_len`` tokens; when there are more windows than ``samples``, evenly spaced ones are kept.
+    A text shorter than one window gives one shorter sequence.
+
+    Raises:
+      ValueError: no tokens at all, or a non-positive ``seq_len`` / ``samples``.
+    """
+    if seq_len < 1 or samples < 1:
+        raise ValueError(f"seq_len={seq_len} and samples={samples} must be positive")
+    text = "\n\n".join(t for t in texts if t.strip())
+    enc = tokenizer(text, add_special_tokens=False)
+    ids = torch.as_tensor(enc["input_ids"] if hasattr(enc, "keys") else enc, dtype=torch.int64).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("calibration set is empty: the text gives no tokens")
+    if ids.numel() < seq_len:
+        return ids[None]
+    windows = ids[: ids.numel() // seq_len * seq_len].reshape(-1, seq_len)
+    if windows.shape[0] > samples:
+        pick = (torch.arange(samples) * windows.shape[0]) // samples
+        windows = windows[pick]
+    return windows

@@ -11,7 +11,13 @@ Usage::
                                 max_length=2048)
     print(result.report)                   # per-layer losses, expert coverage, fallbacks, seconds per stage
     result.report.to_json("report.json")
-    result.weights["model.layers.0.mlp.experts.5.gate_proj.weight"].codes    # for exporters
+    result.weights["model.layers.0.mlp.experts.5.gate_proj.weight"].codes    # jgptq.export.QuantizedWeight
+
+    from interop.export import export_model                 # a checkpoint folder serving stacks load
+    export_model(model, result, "compressed-tensors", "Qwen3-30B-A3B-w4g128", tokenizer=tok)
+
+With ``checkpoint_dir="run.state"`` the run's state is written after every layer; started again with the same
+arguments after a crash, the run continues from its last finished layer (:mod:`interop.resume`).
 
 ``calib`` is token ids, a list of them, a tokenizer's dict, or text with ``tokenizer=`` (:mod:`interop.calib`).
 Options are fields of :class:`jgptq.config.PipelineConfig`, :class:`~jgptq.config.QuantConfig` (``bits``,
@@ -53,10 +59,12 @@ import torch
 
 from interop import calib as calib_mod
 from interop import capture, models
+from interop import resume as resume_mod
 from interop.dlpack import to_jax
-from interop.report import ModuleRecord, QuantizedWeight, QuantizeResult, Report
+from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import Part, solve_layer
 from jgptq.config import PipelineConfig
+from jgptq.export.records import QuantizedWeight
 
 try:
     from tqdm.auto import tqdm
@@ -209,29 +217,29 @@ def _write_back(part, weight):
 
 
 def _store(weights, names, part, res, cfg):
-    """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them)."""
+    """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them) as
+    :class:`jgptq.export.QuantizedWeight` records."""
     q = cfg.quant
-    codes, scales, zeros = (np.asarray(a) for a in (res.codes, res.scales, res.zeros))
-    g_idx, perm = np.asarray(res.g_idx), np.asarray(res.perm)
-    method = res.method
+    codes, scales, zeros, g_idx = (np.asarray(a) for a in (res.codes, res.scales, res.zeros, res.g_idx))
+    common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, act_order=q.act_order, scale_dtype=q.scale_dtype,
+                  transposed=part.transposed)
     for key, expert, rows in names[part.param]:
         rows = rows.numpy()
-        common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, transposed=part.transposed)
         if part.kind == "linear" or expert is not None:
             e = 0 if expert is None else expert
-            weights[key] = QuantizedWeight(key, codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
-                                           perm[e], method=method[e], **common)
+            weights[key] = QuantizedWeight(codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
+                                           method=res.method[e], **common)
         else:
             n, r = codes.shape[:2]
             if not np.array_equal(rows, np.arange(n * r)):
                 raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
-            weights[key] = QuantizedWeight(key, codes, scales, zeros, g_idx, perm,
-                                           method="gptq" if all(m == "gptq" for m in method) else "mixed",
-                                           **common)
+            methods = set(res.method)
+            weights[key] = QuantizedWeight(codes, scales, zeros, g_idx,
+                                           method=methods.pop() if len(methods) == 1 else "mixed", **common)
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
-                 **kwargs) -> QuantizeResult:
+                 checkpoint_dir=None, resume: bool = True, **kwargs) -> QuantizeResult:
     """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
 
     Args:
@@ -241,14 +249,22 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
       tokenizer: needed when ``calib`` is text.
       device: torch device each layer runs on (default: the device of the first decoder layer).
       devices: JAX devices for the solves (passed on to the multi-device solver; None = default device).
+      checkpoint_dir: a folder where the run's state is written after every layer (:mod:`interop.resume`); a
+        run started again with the same model, calibration and config continues after its last finished layer
+        and gives the same bytes as an uninterrupted run.
+      resume: with ``checkpoint_dir``: continue a matching state (a mismatching one raises
+        :class:`interop.resume.ResumeMismatchError`); False discards any state and starts over.
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``...).
     Returns:
       A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report).
     Raises:
       ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
-        NaN/Inf activations; ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into.
+        NaN/Inf activations; ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into;
+        ``interop.resume.ResumeMismatchError`` for a checkpoint of another run.
     """
     cfg = PipelineConfig.build(config, **kwargs)
+    if checkpoint_dir is not None and cfg.keep_hessians:
+        raise ValueError("keep_hessians cannot be combined with checkpoint_dir: Hessians are not checkpointed")
     model = torch_model
     prefix, layers = models.find_decoder_layers(model)
     targets = [models.layer_targets(layer, cfg.exclude) for layer in layers]
@@ -263,22 +279,40 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     run_device = torch.device(device) if device is not None else _param_device(layers[0])
     report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
-    result = QuantizeResult(model, {}, report)
+    result = QuantizeResult(model, {}, report, config=cfg,
+                            param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
+    ckpt, start = None, 0
+    if checkpoint_dir is not None:
+        ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, batch_list, cfg, len(layers)),
+                                     resume=resume)
+        start = ckpt.open()
+        for i in range(start):
+            resume_mod.restore_layer(ckpt, i, targets[i], prefix, names, result)
     has_experts = any(t.experts for t in targets)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if has_experts else _null()):
-            t0 = time.perf_counter()
-            hidden, layer_inputs = capture_inputs(model, layers, batch_list, run_device)
-            report.add_time(0, "capture", time.perf_counter() - t0)
-            bar = tqdm(list(enumerate(layers)), desc="jgptq layers", disable=not cfg.progress)
-            for i, layer in bar:
+            if start < len(layers):
+                t0 = time.perf_counter()
+                hidden, layer_inputs = capture_inputs(model, layers, batch_list, run_device)
+                if start:
+                    hidden = ckpt.load_hidden(start, run_device)
+                report.add_time(start, "capture", time.perf_counter() - t0)
+            bar = tqdm(range(start, len(layers)), desc="jgptq layers", disable=not cfg.progress, initial=start,
+                       total=len(layers))
+            for i in bar:
+                layer = layers[i]
                 home = _param_device(layer)
                 layer.to(run_device)
+                marks, before = (len(report.records), len(report.warnings)), set(result.weights)
+                last = i == len(layers) - 1
                 hidden = _process_layer(i, layer, targets[i], hidden, layer_inputs, batch_list, names, cfg,
-                                        prefix, report, result, devices, last=i == len(layers) - 1)
+                                        prefix, report, result, devices, last=last)
                 layer.to(home)
+                if ckpt is not None:
+                    ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
+                                    resume_mod.report_part(report, i, prefix, marks), None if last else hidden)
     finally:
         model.train(was_training)
     for w in report.warnings:

@@ -1,13 +1,15 @@
 """What a quantization run produced: the quantized tensors (for exporters) and a report (for people).
 
-- :class:`QuantizedWeight`: codes, scales, zeros, g_idx, perm of one checkpoint tensor, named as
-  ``save_pretrained`` writes it (fused experts split per expert, e.g.
+- ``QuantizeResult.weights``: :class:`jgptq.export.QuantizedWeight` records (codes, scales, zeros, g_idx) by
+  checkpoint key, named as ``save_pretrained`` writes them (fused experts split per expert, e.g.
   ``model.layers.3.mlp.experts.17.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.17.w1.weight``). The
-  dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` in nn.Linear (out, in) orientation.
+  dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` in nn.Linear (out, in) orientation,
+  the very records the exporters of :mod:`jgptq.export` take.
 - :class:`Report`: one :class:`ModuleRecord` per solved matrix (loss, damping, fallback, tokens, dead columns),
   expert coverage per MoE layer, seconds per stage per layer, warnings. ``report.to_json(path)`` writes it,
   ``print(report)`` / ``report.summary()`` shows a table.
-- :class:`QuantizeResult`: the model (quantized in place), ``weights`` (name -> QuantizedWeight), ``report``.
+- :class:`QuantizeResult`: the model (quantized in place), ``weights`` (name -> QuantizedWeight), ``report``,
+  ``config`` (the :class:`jgptq.config.PipelineConfig` of the run).
 """
 
 from __future__ import annotations
@@ -18,41 +20,6 @@ import statistics
 from typing import Optional
 
 import numpy as np
-
-
-@dataclasses.dataclass
-class QuantizedWeight:
-    """One quantized checkpoint tensor, in nn.Linear (out, in) orientation.
-
-    Attributes:
-      name: checkpoint key (``...weight``; a fused key such as ``...experts.gate_up_proj`` keeps a leading
-        expert axis on every array, and ``transposed`` says the checkpoint stores it as (E, in, out)).
-      codes: uint8 (R, C) (or (E, R, C)) integer codes in [0, 2**bits - 1].
-      scales, zeros: float32 (R, G) grid scales and zero points.
-      g_idx: int32 (C,) group of every input column; perm: int32 (C,) the solve order.
-      bits, group_size, sym: the grid.
-      method: ``"gptq"`` or ``"rtn"`` (round-to-nearest: a baseline run or an under-calibrated expert).
-      transposed: the checkpoint tensor is stored (E, in, out).
-    """
-
-    name: str
-    codes: np.ndarray
-    scales: np.ndarray
-    zeros: np.ndarray
-    g_idx: np.ndarray
-    perm: np.ndarray
-    bits: int
-    group_size: int
-    sym: bool
-    method: str = "gptq"
-    transposed: bool = False
-
-    def dequantize(self) -> np.ndarray:
-        """float32 weight ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` (leading expert axis kept)."""
-        idx = np.broadcast_to(self.g_idx[..., None, :], self.codes.shape)
-        s = np.take_along_axis(self.scales, idx, axis=-1)
-        z = np.take_along_axis(self.zeros, idx, axis=-1)
-        return (s * (self.codes.astype(np.float32) - z)).astype(np.float32)
 
 
 @dataclasses.dataclass
@@ -185,15 +152,21 @@ class QuantizeResult:
 
     Attributes:
       model: the torch model, its targeted weights replaced in place by their dequantized values.
-      weights: checkpoint key -> :class:`QuantizedWeight` (everything an exporter needs; no re-quantization).
+      weights: checkpoint key -> :class:`jgptq.export.QuantizedWeight` (everything an exporter needs; no
+        re-quantization).
       report: the :class:`Report`.
       hessians: (layer, Hessian key) -> (finalized Hessian jax.Array, token counts) when ``keep_hessians``.
+      config: the :class:`jgptq.config.PipelineConfig` of the run.
+      param_keys: model parameter name (``state_dict`` naming) -> the checkpoint keys of ``weights`` its rows
+        went to (exporters drop these parameters from the unquantized tensors).
     """
 
     model: object
     weights: dict
     report: Report
     hessians: dict = dataclasses.field(default_factory=dict)
+    config: object = None
+    param_keys: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return self.report.summary()

@@ -12,6 +12,7 @@ import torch
 
 import jgptq
 from interop.models import UnsupportedModelError
+from jgptq.export import QuantizedWeight
 from tests.tiny_models import build, next_token_kl, token_ids
 
 CALIB = token_ids(16, 32, seed=1)
@@ -44,6 +45,7 @@ def assert_every_target_on_grid(model, result):
                 if ".layers." in k and v.ndim >= 2 and not ROUTER_KEY.search(k) and not k.endswith("bias")}
     assert set(result.weights) == expected
     for key, qw in result.weights.items():
+        assert isinstance(qw, QuantizedWeight)          # the exporters' record type
         assert qw.codes.dtype == np.uint8 and qw.codes.max() <= 2 ** qw.bits - 1
         stored = ckpt[key].float().numpy()
         if qw.transposed:

@@ -30,6 +30,7 @@ import numpy as np
 
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
+METHODS = ("gptq", "rtn", "mixed")
 
 
 def _fail(name: str, rule: str):
@@ -52,6 +53,10 @@ class QuantizedWeight:
         informational, except that only ``"desc"`` can give a ``g_idx`` other than ``column // group_size``.
       scale_dtype: the dtype the scales are meant to be stored in (``"float16"``, ``"bfloat16"``,
         ``"float32"``); their values must be exactly representable in it.
+      method: how the codes were found: ``"gptq"``, ``"rtn"`` (round-to-nearest: a baseline run, or an expert
+        with too few calibration tokens) or ``"mixed"`` (a stack holding both); informational.
+      transposed: the checkpoint stores this tensor with its last two axes swapped, (..., in, out) (the fused
+        experts of some families); the arrays here are always in (..., out, in) orientation.
 
     Arrays are converted to the dtypes above (values are checked, never wrapped) and made read-only.
     """
@@ -65,6 +70,8 @@ class QuantizedWeight:
     sym: bool
     act_order: str = "none"
     scale_dtype: str = "float32"
+    method: str = "gptq"
+    transposed: bool = False
 
     def __post_init__(self):
         bits = self.bits
@@ -80,6 +87,9 @@ class QuantizedWeight:
             _fail("act_order", f"{self.act_order!r} is not one of {ACT_ORDERS}")
         if self.scale_dtype not in SCALE_DTYPES:
             _fail("scale_dtype", f"{self.scale_dtype!r} is not one of {SCALE_DTYPES}")
+        if self.method not in METHODS:
+            _fail("method", f"{self.method!r} is not one of {METHODS}")
+        object.__setattr__(self, "transposed", bool(self.transposed))
         maxq = (1 << self.bits) - 1
 
         codes = _integers("codes", self.codes, 0, maxq, np.uint8)
@@ -180,7 +190,8 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return (f"QuantizedWeight(shape={self.shape}, bits={self.bits}, group_size={self.group_size}, "
-                f"sym={self.sym}, act_order={self.act_order!r}, scale_dtype={self.scale_dtype!r})")
+                f"sym={self.sym}, act_order={self.act_order!r}, scale_dtype={self.scale_dtype!r}, "
+                f"method={self.method!r})")
 
 
 def expert_entries(stack: QuantizedWeight, templates: str | Sequence[str], *, start: int = 0):

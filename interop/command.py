@@ -1,0 +1,185 @@
+"""``jgptq quantize``: a local transformers model folder in, a quantized checkpoint folder out.
+
+Steps: check every input (model folder, calibration, output, that the exporter can hold the format) before any
+work; load the tokenizer and the model (safetensors only; remote code only when asked); cut the calibration text
+into windows; run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
+part-way continues from its last finished layer when started again with the same arguments); export; write the
+report (``<OUT>.report.json``) and a per-layer loss chart (``<OUT>.loss.svg``) beside the output; remove the
+working folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from jgptq.config import PipelineConfig, QuantConfig
+from jgptq.export.records import SCALE_DTYPES
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+class CommandError(ValueError):
+    """Bad input to a command (the message says what and how to fix it)."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"5GB"``, ``"500MiB"``, ``"1000000"`` (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
+    m = SIZE.match(str(text))
+    if not m:
+        raise CommandError(f"size {text!r} is not a number of bytes such as 5GB or 500MiB")
+    unit = (m.group(2) or "").lower()
+    power = " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 0
+    base = 1024 if "i" in unit else 1000
+    return max(1, int(float(m.group(1)) * base**power))
+
+
+def paths_for(out) -> dict:
+    """The files a run writes beside its output folder ``out``."""
+    out = Path(out)
+    return {"out": out, "work": out.with_name(out.name + ".jgptq-work"),
+            "report": out.with_name(out.name + ".report.json"), "plot": out.with_name(out.name + ".loss.svg")}
+
+
+def check_output(out, overwrite: bool) -> None:
+    """Refuses an existing non-empty output (file or folder) unless ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"output {str(out)!r} already exists; pass --overwrite to replace it (it is replaced "
+                           f"whole, only once the new checkpoint is complete), or choose another --out")
+
+
+def check_model_dir(model_dir) -> Path:
+    """The model folder, after checking that it holds a config.json and safetensors weights."""
+    p = Path(model_dir)
+    if not p.exists():
+        raise CommandError(f"model directory {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise CommandError(f"{str(p)!r} is not a directory (expected a local transformers model folder)")
+    if not (p / "config.json").is_file():
+        raise CommandError(f"{str(p)!r} has no config.json; it is not a transformers model folder")
+    if not any(p.glob("*.safetensors")):
+        raise CommandError(f"{str(p)!r} holds no .safetensors weights; jgptq loads safetensors only (convert "
+                           f"the checkpoint first, e.g. load it and call save_pretrained)")
+    return p
+
+
+def model_dtype(model_dir: Path, requested: str) -> str:
+    """The dtype the model loads in: ``requested``, or (``auto``) the one its config.json names."""
+    if requested != "auto":
+        return requested
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
+    return dtype if isinstance(dtype, str) else "float32"
+
+
+def build_config(args, dtype: str) -> PipelineConfig:
+    """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
+
+    Raises:
+      interop.export.ExportError: a format the chosen exporter cannot hold; ValueError: an invalid option.
+    """
+    if args.export == "gptq":
+        scale_dtype = "float16"          # GPTQ v1 stores float16 scales
+    elif dtype in SCALE_DTYPES:
+        scale_dtype = dtype              # compressed-tensors: the model dtype, so loaders decode exactly
+    else:
+        scale_dtype = "float16"
+    quant = QuantConfig(format=args.format, bits=args.bits, group_size=args.group_size, sym=args.sym,
+                        act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
+    from interop.export import check_format
+
+    check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
+    return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
+                                max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
+                                method=args.method, calibration=args.calibration, min_tokens=args.min_tokens)
+
+
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"jgptq: {msg}", file=sys.stderr, flush=True)
+
+
+def layer_loss_chart(report, path, title: str) -> None:
+    """Writes an SVG chart of the mean and largest GPTQ loss of each layer of ``report``."""
+    import numpy as np
+
+    from jgptq.plot import line_chart
+
+    layers = sorted({r.layer for r in report.records})
+    mean, top = [], []
+    for layer in layers:
+        losses = [r.loss for r in report.records if r.layer == layer and np.isfinite(r.loss)]
+        mean.append(float(np.mean(losses)) if losses else float("nan"))
+        top.append(float(max(losses)) if losses else float("nan"))
+    try:
+        svg = line_chart({"mean": mean, "max": top}, x=layers, title=title, xlabel="decoder layer",
+                         ylabel="GPTQ loss per matrix", log_y=True)
+    except ValueError:  # nothing finite (a round-to-nearest run): no chart
+        return
+    Path(path).write_text(svg)
+
+
+def run_quantize(args) -> int:
+    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq.cli`)."""
+    t_start = time.perf_counter()
+    model_dir = check_model_dir(args.model_dir)
+    files = paths_for(args.out)
+    dtype = model_dtype(model_dir, args.dtype)
+    cfg = build_config(args, dtype)
+    check_output(files["out"], args.overwrite)
+    max_shard = parse_size(args.max_shard_size)
+
+    from interop import calib as calib_mod
+
+    texts = calib_mod.read_texts(args.calib)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if args.quiet:
+        hf_logging.disable_progress_bar()
+
+    tok_dir = args.tokenizer or model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=args.trust_remote_code,
+                                                  local_files_only=True)
+    except Exception as exc:  # transformers raises several kinds here
+        raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
+                           f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
+    ids = calib_mod.token_windows(texts, tokenizer, args.seq_len, args.samples)
+    log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
+
+    log(f"loading {model_dir} ({dtype})", args.quiet)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
+        trust_remote_code=args.trust_remote_code, local_files_only=True)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    from interop.export import export_model
+    from interop.layerwise import quantize_moe
+
+    state = files["work"] / "state.json"
+    if state.exists() and args.resume:
+        import json
+
+        done = json.loads(state.read_text()).get("layers_done")
+        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
+            args.quiet)
+    result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
+    log(f"exporting {args.export} to {files['out']}", args.quiet)
+    export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                 source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    result.report.to_json(str(files["report"]))
+    layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    shutil.rmtree(files["work"], ignore_errors=True)
+    print(result.report.summary())
+    print(f"wrote {files['out']} ({args.export}), report {files['report']}"
+          + (f", chart {files['plot']}" if files["plot"].exists() else "")
+          + f" in {time.perf_counter() - t_start:.1f} s")
+    return 0

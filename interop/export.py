@@ -1,0 +1,227 @@
+"""A quantized transformers model as a checkpoint folder that serving stacks load: :func:`export_model`.
+
+Usage::
+
+    result = jgptq.quantize_moe(model, texts, tokenizer=tok, bits=4, group_size=128,
+                                scale_dtype="bfloat16")              # the model dtype, for compressed-tensors
+    export_model(model, result, "compressed-tensors", "out/model-w4g128", tokenizer=tok)
+
+Kinds:
+
+- ``"gptq"``: GPTQ v1 (``qweight``/``qzeros``/``scales``/``g_idx``, :func:`jgptq.export.export_gptq_v1`);
+- ``"compressed-tensors"``: ``pack-quantized`` (:func:`jgptq.export.export_compressed_tensors`);
+- ``"gguf"``: a GGUF file, by ``interop.gguf_export.export_gguf(model, result, out, overwrite=..., **options)``
+  (a separate module, given ``tokenizer=`` / ``source_dir=`` when it takes them; an error says so when it is not
+  installed).
+
+The folder holds what ``save_pretrained`` would write, with the quantized weights in the chosen format: every
+other tensor of the model (embeddings, norms, routers, lm_head, biases, persistent buffers) under its checkpoint
+name (fused experts reverted to per-expert names by transformers' own conversion; tied weights written once),
+``config.json`` (the model's config with ``quantization_config``), ``generation_config.json`` and the tokenizer
+files when there are any. Tensors are written to sharded safetensors with an index, atomically: an error leaves
+the output path as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from jgptq.export import export_compressed_tensors, export_gptq_v1
+from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
+
+KINDS = ("gptq", "compressed-tensors", "gguf")
+GPTQ_BITS = (2, 3, 4, 8)
+# Files of a model folder that belong to its tokenizer or processor (copied as they are).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "chat_template.jinja",
+                   "chat_template.json", "preprocessor_config.json")
+
+
+class ExportError(ValueError):
+    """The result cannot be written in the requested format (the message says why and what to do)."""
+
+
+def gguf_available() -> bool:
+    """True when the GGUF exporter module (``interop.gguf_export``) is installed."""
+    return importlib.util.find_spec("interop.gguf_export") is not None
+
+
+def check_format(kind: str, quant) -> None:
+    """Refuses, before any work, a :class:`jgptq.config.QuantConfig` that exporter ``kind`` cannot hold.
+
+    Raises:
+      ExportError: unknown kind; a GGML format for an integer-grid exporter or an integer grid for GGUF; bits the
+        GPTQ v1 loaders do not read; a ``desc`` act-order with groups for compressed-tensors; the GGUF exporter
+        missing.
+    """
+    if kind not in KINDS:
+        raise ExportError(f"unknown export kind {kind!r}; choose one of {KINDS}")
+    if kind == "gguf":
+        if not gguf_available():
+            raise ExportError("export 'gguf' needs the module interop.gguf_export (export_gguf), which is not "
+                              "installed in this jgptq; export 'gptq' or 'compressed-tensors' instead")
+        return
+    if quant.is_ggml:
+        raise ExportError(f"format {quant.format!r} is a GGML block format; the {kind} exporter holds integer grids "
+                          f"only (format 'int'); write GGML formats with export 'gguf'")
+    if kind == "gptq" and quant.bits not in GPTQ_BITS:
+        raise ExportError(f"GPTQ v1 loaders read bits {GPTQ_BITS}, not {quant.bits}; choose one of them or "
+                          f"export 'compressed-tensors' (any width 2..8)")
+    if kind == "compressed-tensors" and quant.act_order == "desc" and quant.group_size != -1:
+        raise ExportError("act_order 'desc' with groups gives a non-monotonic g_idx, which compressed-tensors "
+                          "pack-quantized cannot hold; use act_order 'static' or 'group_aware', or export 'gptq'")
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def checkpoint_state(model, result=None) -> dict:
+    """The tensors ``save_pretrained`` writes for ``model``, under checkpoint names, without the quantized ones.
+
+    Args:
+      model: a transformers model.
+      result: an :class:`interop.report.QuantizeResult`; its quantized parameters are left out.
+    Returns:
+      checkpoint key -> torch tensor (on the model's devices; tied weights once; fused experts per expert).
+    """
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    quantized = set(result.weights) if result is not None else set()
+    if result is not None:
+        for param in getattr(result, "param_keys", {}) or {}:
+            state.pop(param, None)  # reverted below, the fused parameter would be copied per expert for nothing
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        state = remove_tied_weights_from_state_dict(state, model)
+    except ImportError:  # an older transformers: drop later names of shared storage
+        seen = set()
+        for key in list(state):
+            ptr = (state[key].untyped_storage().data_ptr(), state[key].storage_offset())
+            if ptr in seen:
+                del state[key]
+            seen.add(ptr)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(model, state)
+    except ImportError:
+        pass
+    return {k: v for k, v in state.items() if k not in quantized}
+
+
+def _ignore_list(model, state: dict) -> list:
+    """Modules a compressed-tensors loader must leave in floating point: lm_head and every module with an
+    unquantized 2-D weight that is not an embedding (routers, excluded modules)."""
+    embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    ignore = {"lm_head"}
+    for key, t in state.items():
+        if key.endswith(".weight") and t.ndim == 2 and key not in embeddings:
+            ignore.add(key[: -len(".weight")])
+    return sorted(ignore)
+
+
+def model_config_dict(model) -> dict:
+    """The model's ``config.json`` contents as ``save_pretrained`` writes them (dtype and architectures set)."""
+    cfg = model.config.to_diff_dict()  # what save_pretrained writes: no local paths, defaults left out
+    cfg.pop("quantization_config", None)
+    cfg["dtype"] = str(model.dtype).split(".")[-1]
+    cfg["architectures"] = [type(model).__name__]
+    return cfg
+
+
+def _extra_files(model, tokenizer, source_dir, scratch: Path) -> dict:
+    files: dict = {}
+    src = Path(source_dir) if source_dir is not None else None
+    if src is not None and (src / "generation_config.json").is_file():
+        files["generation_config.json"] = src / "generation_config.json"
+    elif getattr(model, "generation_config", None) is not None and model.can_generate():
+        files["generation_config.json"] = model.generation_config.to_json_string(use_diff=True)
+    copied = [src / f for f in TOKENIZER_FILES if src is not None and (src / f).is_file()]
+    if copied:
+        files.update({p.name: p for p in copied})
+    elif tokenizer is not None:
+        for name in tokenizer.save_pretrained(str(scratch)):
+            p = Path(name)
+            if p.is_file() and p.name not in files:
+                files[p.name] = p
+    return files
+
+
+def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, tokenizer=None,
+                 source_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, **options) -> Path:
+    """Writes ``model`` quantized by ``result`` as a checkpoint folder (or GGUF file) of ``kind``.
+
+    Args:
+      model: the transformers model that :func:`jgptq.quantize_moe` quantized (its unquantized tensors are read).
+      result: the :class:`interop.report.QuantizeResult` of that run (records by checkpoint key).
+      kind: ``"gptq"``, ``"compressed-tensors"`` or ``"gguf"``.
+      out_dir: the folder to write (a GGUF exporter may take a file path).
+      overwrite: replace an existing non-empty folder (whole, once the new one is complete).
+      tokenizer: its files are saved into the folder (unless ``source_dir`` has tokenizer files).
+      source_dir: the model's folder: its tokenizer files and ``generation_config.json`` are copied as they are.
+      max_shard_bytes: most tensor bytes per safetensors file.
+      **options: passed on to the exporter (e.g. ``group_actorder=True`` for compressed-tensors).
+    Returns:
+      The output path.
+    Raises:
+      ExportError: the result holds something the format cannot (see :func:`check_format`; fused 3-D expert
+        tensors that a checkpoint of this family keeps fused); FileExistsError: a non-empty output without
+        ``overwrite``.
+    """
+    quant = result.config.quant if getattr(result, "config", None) is not None else None
+    if quant is not None:
+        check_format(kind, quant)
+    elif kind not in KINDS:
+        raise ExportError(f"unknown export kind {kind!r}; choose one of {KINDS}")
+    if kind == "gguf":
+        if not gguf_available():
+            check_format(kind, None)
+        from interop.gguf_export import export_gguf
+
+        accepted = inspect.signature(export_gguf).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        for name, value in (("tokenizer", tokenizer), ("source_dir", source_dir)):
+            if value is not None and (anything or name in accepted):
+                options[name] = value
+        return export_gguf(model, result, out_dir, overwrite=overwrite, **options)
+    out = check_output_dir(out_dir, overwrite)
+    if not result.weights:
+        raise ExportError("the result holds no quantized weights")
+    for key, rec in result.weights.items():
+        if rec.codes.ndim != 2:
+            raise ExportError(f"{key}: {type(model).__name__} checkpoints keep every expert in one fused tensor "
+                              f"{rec.shape}; the {kind} format holds 2-D per-module weights only, so this model "
+                              f"cannot be exported to it")
+    state = checkpoint_state(model, result)
+    tensors = ((k, _numpy(v)) for k, v in state.items())
+    model_config = model_config_dict(model)
+    scratch = Path(tempfile.mkdtemp(prefix="jgptq-export-"))
+    try:
+        extra = _extra_files(model, tokenizer, source_dir, scratch)
+        if kind == "gptq":
+            export_gptq_v1(out, result.weights, tensors=tensors, model_config=model_config, quant_config=quant,
+                           extra_files=extra, max_shard_bytes=max_shard_bytes, overwrite=overwrite, **options)
+        else:
+            export_compressed_tensors(out, result.weights, tensors=tensors, model_config=model_config,
+                                      ignore=_ignore_list(model, state), quant_config=quant, extra_files=extra,
+                                      max_shard_bytes=max_shard_bytes, overwrite=overwrite, **options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return Path(os.fspath(out))

@@ -1,0 +1,262 @@
+"""Runs that survive a crash: the layerwise pipeline's state, written after every decoder layer.
+
+``quantize_moe(model, calib, checkpoint_dir="out.work")`` keeps in that folder, after each finished layer:
+
+- ``layer-<i>.safetensors``: the layer's quantized records (codes, scales, zeros, g_idx; grid facts in the
+  header) and ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
+- ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
+- ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
+  every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but
+  ``progress``).
+
+Every file is written under a temporary name and renamed into place, ``state.json`` last, so a run killed at any
+moment leaves the state of its last finished layer. Started again with the same model, data and configuration,
+the run re-applies the stored weights of the finished layers (dequantized records written back exactly as the
+first run wrote them), loads the stored activations and continues with the next layer: the results are the same
+bytes as an uninterrupted run's. A fingerprint that differs raises :class:`ResumeMismatchError` naming what
+changed; ``resume=False`` discards the state and starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from interop.report import ModuleRecord
+from jgptq.export.records import QuantizedWeight
+
+STATE = "state.json"
+FORMAT_VERSION = 1
+_OWN_FILE = re.compile(r"^(state\.json|layer-\d{5}\.(safetensors|json)|inputs-\d{5}\.safetensors)(\.tmp-\d+)?$")
+_RECORD_FIELDS = ("bits", "group_size", "sym", "act_order", "scale_dtype", "method", "transposed")
+_ARRAYS = ("codes", "scales", "zeros", "g_idx")
+
+
+class ResumeMismatchError(ValueError):
+    """The checkpoint folder holds the state of a run with another model, calibration set or configuration."""
+
+
+def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    t = t.detach().to("cpu").contiguous()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+
+
+def fingerprint(model, batch_list, cfg, layer_count: int) -> dict:
+    """What a run depends on, as hex digests: ``model`` (class, config, every state_dict tensor), ``calibration``
+    (the batches' ids and masks), ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``)."""
+    import jgptq
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(model).__name__.encode())
+    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
+        _hash_tensor(h, name, t)
+    c = hashlib.blake2b(digest_size=16)
+    for b, batch in enumerate(batch_list):
+        _hash_tensor(c, f"ids{b}", batch.input_ids)
+        _hash_tensor(c, f"mask{b}", batch.attention_mask)
+    settings = cfg.to_dict()
+    settings.pop("progress", None)
+    k = hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=16)
+    return {"model": h.hexdigest(), "calibration": c.hexdigest(), "config": k.hexdigest(),
+            "layers": int(layer_count), "jgptq": jgptq.__version__}
+
+
+def _replace_into(path: Path, write) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _record_dict(r: ModuleRecord) -> dict:
+    d = dataclasses.asdict(r)
+    d["shape"] = list(d["shape"])
+    return d
+
+
+class Checkpoint:
+    """The state folder of one run (see the module docstring).
+
+    Args:
+      directory: the folder (created if needed; only jgptq's own files in it are ever removed).
+      fingerprint: :func:`fingerprint` of this run.
+      resume: continue a matching state (True) or discard any state and start over (False).
+    """
+
+    def __init__(self, directory, fingerprint: dict, resume: bool = True):
+        self.dir = Path(directory)
+        self.fingerprint = dict(fingerprint)
+        self.resume = bool(resume)
+
+    # -- opening -----------------------------------------------------------------------------------------------
+    def open(self) -> int:
+        """Number of finished layers to take over (0: start from the first layer).
+
+        Raises:
+          ResumeMismatchError: a state of another run (with ``resume=True``).
+        """
+        if self.dir.exists() and not self.dir.is_dir():
+            raise FileExistsError(f"checkpoint_dir {str(self.dir)!r} exists and is not a folder")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        state_path = self.dir / STATE
+        if not self.resume or not state_path.exists():
+            self.clear()
+            return 0
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ResumeMismatchError(f"{state_path}: unreadable resume state ({exc}); start over with "
+                                      f"resume=False (command line: --no-resume)") from exc
+        old = state.get("fingerprint", {})
+        diff = [k for k in ("model", "calibration", "config", "layers", "jgptq") if old.get(k) !=
+                self.fingerprint.get(k)]
+        if state.get("version") != FORMAT_VERSION or diff:
+            what = {"model": "the model (config or weights)", "calibration": "the calibration tokens",
+                    "config": "the quantization settings", "layers": "the number of decoder layers",
+                    "jgptq": "the jgptq version"}
+            reasons = ", ".join(what[k] for k in diff) or "the state format"
+            raise ResumeMismatchError(
+                f"{self.dir} holds the state of another run ({reasons} differ, after {state.get('layers_done')} "
+                f"finished layers); refusing to mix them. Start over with resume=False (command line: "
+                f"--no-resume), or use another output folder")
+        done = int(state["layers_done"])
+        for i in range(done):
+            for suffix in (".safetensors", ".json"):
+                if not self._layer(i, suffix).exists():
+                    raise ResumeMismatchError(f"{self.dir}: {self._layer(i, suffix).name} is missing; start over "
+                                              f"with resume=False (command line: --no-resume)")
+        return done
+
+    def clear(self) -> None:
+        """Removes jgptq's state files from the folder (nothing else)."""
+        for p in self.dir.iterdir():
+            if p.is_file() and _OWN_FILE.match(p.name):
+                p.unlink()
+
+    def _layer(self, i: int, suffix: str) -> Path:
+        return self.dir / f"layer-{i:05d}{suffix}"
+
+    def _inputs(self, i: int) -> Path:
+        return self.dir / f"inputs-{i:05d}.safetensors"
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def save_layer(self, i: int, weights: dict, report_part: dict, next_hidden) -> None:
+        """Stores layer ``i``'s records (checkpoint key -> QuantizedWeight), its report part and (unless it was the
+        last layer) the next layer's inputs, then marks the layer finished."""
+        from safetensors.numpy import save_file as save_numpy
+        from safetensors.torch import save_file as save_torch
+
+        arrays, meta = {}, {}
+        for key, rec in weights.items():
+            meta[key] = {f: getattr(rec, f) for f in _RECORD_FIELDS}
+            for a in _ARRAYS:
+                arrays[f"{key}|{a}"] = np.ascontiguousarray(getattr(rec, a))
+        _replace_into(self._layer(i, ".safetensors"),
+                      lambda p: save_numpy(arrays, str(p), metadata={"records": json.dumps(meta)}))
+        _replace_into(self._layer(i, ".json"), lambda p: p.write_text(json.dumps(report_part)))
+        if next_hidden is not None:
+            tensors = {str(b): h.detach().to("cpu").contiguous() for b, h in enumerate(next_hidden)}
+            _replace_into(self._inputs(i + 1), lambda p: save_torch(tensors, str(p)))
+        state = {"version": FORMAT_VERSION, "layers_done": i + 1, "fingerprint": self.fingerprint}
+
+        def write_state(p: Path):
+            with open(p, "w") as fh:
+                json.dump(state, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+        _replace_into(self.dir / STATE, write_state)
+        self._inputs(i).unlink(missing_ok=True)
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def load_layer(self, i: int) -> tuple[dict, dict]:
+        """(checkpoint key -> QuantizedWeight, report part) of finished layer ``i``."""
+        from safetensors import safe_open
+
+        path = self._layer(i, ".safetensors")
+        with safe_open(str(path), framework="numpy") as f:
+            meta = json.loads(f.metadata()["records"])
+            weights = {key: QuantizedWeight(**{a: f.get_tensor(f"{key}|{a}") for a in _ARRAYS}, **fields)
+                       for key, fields in meta.items()}
+        part = json.loads(self._layer(i, ".json").read_text())
+        return weights, part
+
+    def load_hidden(self, i: int, device) -> list:
+        """The stored inputs of layer ``i``, one tensor per calibration batch, on ``device``."""
+        from safetensors.torch import load_file
+
+        path = self._inputs(i)
+        if not path.exists():
+            raise ResumeMismatchError(f"{path.name} is missing from {self.dir}; start over with resume=False "
+                                      f"(command line: --no-resume)")
+        stored = load_file(str(path))
+        return [stored[str(b)].to(device) for b in range(len(stored))]
+
+
+def report_part(report, layer: int, prefix: str, marks: tuple) -> dict:
+    """What layer ``layer`` added to ``report`` since ``marks`` = (records, warnings) counts, as JSON data."""
+    n_rec, n_warn = marks
+    base = f"{prefix}.{layer}."
+    return {"records": [_record_dict(r) for r in report.records[n_rec:]],
+            "warnings": report.warnings[n_warn:],
+            "coverage": {k: v for k, v in report.coverage.items() if k.startswith(base)},
+            "thresholds": {k: v for k, v in report.thresholds.items() if k.startswith(base)},
+            "timings": report.timings.get(layer, {})}
+
+
+def _nan(v):
+    return float("nan") if v is None else v
+
+
+def restore_layer(ckpt: Checkpoint, layer: int, target, prefix: str, names: dict, result) -> None:
+    """Takes finished layer ``layer`` over from ``ckpt``: its records and report part go into ``result``, and
+    its dequantized weights are written into the model's parameters (as the pipeline's write step does)."""
+    weights, part = ckpt.load_layer(layer)
+    result.weights.update(weights)
+    report = result.report
+    for d in part["records"]:
+        d = dict(d, shape=tuple(d["shape"]), loss=_nan(d["loss"]), damp_used=_nan(d["damp_used"]))
+        report.records.append(ModuleRecord(**d))
+    report.warnings.extend(part["warnings"])
+    report.coverage.update(part["coverage"])
+    report.thresholds.update(part["thresholds"])
+    for stage, seconds in part["timings"].items():
+        report.add_time(layer, stage, seconds)
+    base = f"{prefix}.{layer}"
+    params = [(f"{base}.{n}.weight", m.weight, False) for n, m in target.linears.items()]
+    for n, (module, lay) in target.experts.items():
+        params += [(f"{base}.{n}.{lay.up_name}", getattr(module, lay.up_name), lay.transposed),
+                   (f"{base}.{n}.down_proj", module.down_proj, lay.transposed)]
+    for pname, param, transposed in params:
+        dst = param.transpose(-1, -2) if transposed else param
+        full = np.zeros(((1,) if dst.ndim == 2 else ()) + tuple(dst.shape), np.float32)
+        n, r, c = full.shape
+        for key, expert, rows in names[pname]:
+            if key not in weights:
+                raise ResumeMismatchError(f"{ckpt.dir}: layer {layer} holds no record for {key}; start over with "
+                                          f"resume=False (command line: --no-resume)")
+            deq = weights[key].dequantize()
+            rows = rows.numpy()
+            if expert is not None:
+                full[expert][rows] = deq
+            elif n == 1:
+                full[0][rows] = deq
+            else:
+                full.reshape(n * r, c)[rows] = deq.reshape(-1, c)
+        src = torch.from_numpy(full if dst.ndim == 3 else full[0])
+        with torch.no_grad():
+            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+

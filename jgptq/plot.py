@@ -1,0 +1,111 @@
+"""A small SVG line chart (no plotting library needed): per-layer figures of a quantization run.
+
+Example::
+
+    svg = line_chart({"RTN": [0.1, 0.2], "GPTQ": [0.05, 0.08]}, title="output error", xlabel="layer",
+                     ylabel="relative error", log_y=True)
+    open("loss.svg", "w").write(svg)
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+WIDTH, HEIGHT = 640, 400
+LEFT, RIGHT, TOP, BOTTOM = 78, 150, 40, 52
+
+
+def _ticks(lo: float, hi: float, log: bool) -> list:
+    if log:
+        a, b = math.floor(lo), math.ceil(hi)
+        step = max(1, math.ceil((b - a) / 6))
+        return [float(k) for k in range(a, b + 1, step)]
+    if hi == lo:
+        return [lo]
+    raw = (hi - lo) / 5
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + k * step for k in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _label(v: float, log: bool) -> str:
+    return f"1e{int(v)}" if log else f"{v:.3g}"
+
+
+def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str = "", log_y: bool = False,
+               x: list | None = None) -> str:
+    """An SVG document with one line per series.
+
+    Args:
+      series: name -> list of floats (equal lengths; NaN and, with ``log_y``, non-positive values are skipped).
+      title, xlabel, ylabel: text.
+      log_y: logarithmic y axis.
+      x: x values (default 0, 1, 2, ...).
+    Returns:
+      The SVG text.
+    Raises:
+      ValueError: no finite value to draw, or series of different lengths.
+    """
+    lengths = {len(v) for v in series.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"line_chart: series have different lengths {sorted(lengths)}")
+    n = lengths.pop()
+    xs = list(x) if x is not None else list(range(n))
+
+    def ok(v):
+        return v is not None and math.isfinite(v) and (v > 0 or not log_y)
+
+    def ty(v):
+        return math.log10(v) if log_y else v
+
+    values = [ty(v) for vals in series.values() for v in vals if ok(v)]
+    if not values:
+        raise ValueError("line_chart: no finite value to draw")
+    lo, hi = min(values), max(values)
+    if log_y:
+        lo, hi = math.floor(lo), math.ceil(hi) if math.ceil(hi) > math.floor(lo) else math.floor(lo) + 1
+    elif hi == lo:
+        lo, hi = lo - 1, hi + 1
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    pad = 0.04 * (x1 - x0)
+    x0, x1 = x0 - pad, x1 + pad
+    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def px(v):
+        return LEFT + (v - x0) / (x1 - x0) * pw
+
+    def py(v):
+        return TOP + ph - (v - lo) / (hi - lo) * ph
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+           f'<text x="{LEFT + pw / 2}" y="22" text-anchor="middle" font-size="15">{html.escape(title)}</text>']
+    for t in _ticks(lo, hi, log_y):
+        if lo - 1e-9 <= t <= hi + 1e-9:
+            y = py(t)
+            out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + pw}" y2="{y:.1f}" stroke="#ddd"/>')
+            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_label(t, log_y)}</text>')
+    step = max(1, math.ceil(len(xs) / 12))
+    for v in xs[::step]:
+        out.append(f'<text x="{px(v):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{v}</text>')
+    out.append(f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+    out.append(f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 12}" text-anchor="middle">{html.escape(xlabel)}</text>')
+    out.append(f'<text transform="translate(18 {TOP + ph / 2}) rotate(-90)" text-anchor="middle">'
+               f'{html.escape(ylabel)}</text>')
+    for k, (name, vals) in enumerate(series.items()):
+        color = COLORS[k % len(COLORS)]
+        points = [(px(xv), py(ty(v))) for xv, v in zip(xs, vals) if ok(v)]
+        if len(points) > 1:
+            path = " ".join(f"{a:.1f},{b:.1f}" for a, b in points)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        out += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{color}"/>' for a, b in points]
+        ly = TOP + 14 + 20 * k
+        out.append(f'<line x1="{LEFT + pw + 14}" y1="{ly - 4}" x2="{LEFT + pw + 38}" y2="{ly - 4}" '
+                   f'stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{LEFT + pw + 44}" y="{ly}">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

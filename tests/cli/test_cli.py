@@ -1,0 +1,158 @@
+"""The jgptq command line: bad input (in-process), quantize + export, kill -9 and resume to the same bytes, and
+the demo (subprocesses)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from jgptq.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIB = ROOT / "jgptq" / "data" / "calibration.txt"
+TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128)
+KILL_AFTER = """
+import os, signal, sys
+from interop import resume
+original = resume.Checkpoint.save_layer
+def save_layer(self, i, *args):
+    original(self, i, *args)
+    if i == {layer}:
+        os.kill(os.getpid(), signal.SIGKILL)
+resume.Checkpoint.save_layer = save_layer
+from jgptq.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny 3-layer Qwen3-MoE with random weights and a byte-level tokenizer, saved as transformers saves it."""
+    from interop.demo import byte_tokenizer, tiny_moe
+
+    d = tmp_path_factory.mktemp("model")
+    tiny_moe(3, 0, **TINY).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax-cache")   # compiled programs shared by the subprocesses
+    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def cli(env, *args, script=None, timeout=300):
+    cmd = [sys.executable, "-c", script] if script else [sys.executable, "-m", "jgptq"]
+    return subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def quantize_args(model_dir, out, *extra):
+    return ["quantize", model_dir, "--calib", CALIB, "--out", out, "--samples", 16, "--seq-len", 64,
+            "--group-size", 32, "--quiet", *extra]
+
+
+def tree(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_version_help_and_no_torch_at_import(env):
+    from jgptq import __version__
+
+    assert cli(env, "--version").stdout.strip() == f"jgptq {__version__}"
+    out = cli(env, "quantize", "--help").stdout
+    assert all(opt in out for opt in ("--resume, --no-resume", "--calibration", "--act-order", "--export"))
+    probe = ("import sys, jgptq.cli; jgptq.cli.build_parser(); "
+             "print(sorted(m for m in ('torch', 'jax', 'transformers') if m in sys.modules))")
+    assert cli(env, script=probe).stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--format", "q4_k", "--export", "gptq"], "GGML block format"),
+    (["--bits", "5", "--export", "gptq"], "GPTQ v1 loaders read bits"),
+    (["--act-order", "desc"], "act_order 'desc'"),
+    (["--bits", "9"], "QuantConfig.bits=9"),
+])
+def test_formats_the_exporter_cannot_hold(model_dir, tmp_path, capsys, extra, message):
+    assert main([str(a) for a in quantize_args(model_dir, tmp_path / "out", *extra)]) == 1
+    assert message in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_bad_inputs_get_clear_errors_and_nothing_is_written(model_dir, tmp_path, capsys):
+    from interop.export import gguf_available
+
+    def fails(args, message):
+        before = tree(tmp_path)
+        assert main([str(a) for a in args]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("jgptq: error: ") and message in err, err
+        assert tree(tmp_path) == before
+
+    out = tmp_path / "out"
+    fails(quantize_args(tmp_path / "nowhere", out), "does not exist")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text("{}")
+    fails(quantize_args(tmp_path / "bin", out), "holds no .safetensors weights")
+    if not gguf_available():
+        fails(quantize_args(model_dir, out, "--export", "gguf"), "interop.gguf_export")
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"earlier work")
+    fails(quantize_args(model_dir, out), "already exists; pass --overwrite")
+    (tmp_path / "empty.txt").write_text("  \n")
+    fails(quantize_args(model_dir, tmp_path / "o2")[:2] + ["--calib", tmp_path / "empty.txt", "--out",
+                                                          tmp_path / "o2"], "is empty")
+    fails(["quantize", model_dir, "--calib", tmp_path / "bin", "--out", tmp_path / "o3"], "holds no .txt files")
+    fails(["quantize", model_dir, "--calib", tmp_path / "missing.txt", "--out", tmp_path / "o4"], "does not exist")
+    assert not any(p.name.endswith((".jgptq-work", ".report.json")) for p in tmp_path.iterdir())
+
+
+def test_quantize_exports_and_a_killed_run_resumes_to_the_same_bytes(model_dir, env, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    whole = tmp_path / "whole"
+    done = cli(env, *quantize_args(model_dir, whole))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "expert coverage" in done.stdout and "wrote" in done.stdout
+    files = tree(whole)
+    assert {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json",
+            "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    assert files["tokenizer.json"] == (model_dir / "tokenizer.json").read_bytes()
+    assert not (tmp_path / "whole.jgptq-work").exists()
+    report = json.loads((tmp_path / "whole.report.json").read_text())
+    assert len(report["records"]) == 3 * (4 + 16)
+    ET.parse(tmp_path / "whole.loss.svg")
+    config = transformers.AutoConfig.from_pretrained(whole)
+    assert config.quantization_config["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+
+    killed = tmp_path / "killed"
+    run = cli(env, *quantize_args(model_dir, killed), script=KILL_AFTER.format(layer=1))
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    work = tmp_path / "killed.jgptq-work"
+    assert json.loads((work / "state.json").read_text())["layers_done"] == 2 and not killed.exists()
+    again = cli(env, *quantize_args(model_dir, killed)[:-1])     # with progress messages
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing the run" in again.stderr and "2 layers done" in again.stderr
+    assert tree(killed) == files                                   # every file, byte for byte
+    resumed = json.loads((tmp_path / "killed.report.json").read_text())
+    assert resumed["records"] == report["records"]
+    assert not work.exists()
+
+
+def test_demo_runs_offline_and_gptq_beats_round_to_nearest(env, tmp_path):
+    out = tmp_path / "demo" / "m"
+    run = cli(env, "demo", "--out", out, "--layers", 2, "--samples", 16, "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ratio = float(run.stdout.split("GPTQ / RTN = ")[1].split()[0])
+    assert 0 < ratio < 1, run.stdout
+    assert "logits equal the quantized model's" in run.stdout or "reload check: skipped" in run.stdout
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    svg = ET.parse(out.with_name("m.loss.svg")).getroot()
+    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 2 and all(len(p.get("points").split()) == 2 for p in lines)
