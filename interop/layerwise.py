@@ -279,6 +279,12 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     run_device = torch.device(device) if device is not None else _param_device(layers[0])
     report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
+    said = set()
+    slow = models.slow_linear_attention(model, run_device)
+    if slow:  # said once, before the first forward, with the fix; kept in the report
+        warnings.warn(slow, stacklevel=2)
+        report.warnings.append(slow)
+        said.add(slow)
     result = QuantizeResult(model, {}, report, config=cfg,
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
     ckpt, start = None, 0
@@ -316,7 +322,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     finally:
         model.train(was_training)
     for w in report.warnings:
-        warnings.warn(w, stacklevel=2)
+        if w not in said:
+            warnings.warn(w, stacklevel=2)
     return result
 
 
