@@ -1,14 +1,16 @@
 """GGML codecs: jgptq's jitted encoders/decoders on the accelerator against llama.cpp's C quantizer on all cores.
 
-For a 4096 x 14336 float32 weight (``--small``: 64 x 1024) and each of the 12 formats (Q4_0 ... Q6_K, IQ4_NL,
-IQ4_XS), without and with per-column importance:
+For a 4096 x 14336 float32 weight (``--small``: 64 x 1024; ``--rows``/``--cols`` override) and each of the 12
+formats (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS), without and with per-column importance:
 
 - jgptq: compile time, then the median wall time of ``encode`` and of ``decode`` on the default JAX device
   (input already on the device, ``block_until_ready``), as values per second;
 - llama.cpp: ``ggml_quantize_chunk`` over ``os.cpu_count()`` threads (rows split between threads) in the same
   process, and the ratio llama.cpp time / jgptq time;
 - agreement: the share of blocks byte-identical between the device encode and llama.cpp, and the share of
-  values bit-identical between the device decode of llama.cpp's bytes and ``dequantize_row_*``.
+  values bit-identical between the device decode of llama.cpp's bytes and ``dequantize_row_*``;
+- with ``--cpu-check``, the share of blocks byte-identical between the device encode and jgptq's encode on the
+  host CPU (the tested reference backend), which needs no llama.cpp.
 
 Each (format, importance) case runs in its own try/except (a failure is recorded, the rest still run), and no
 new case starts once ``--budget-s`` seconds have passed. jgptq.ggml needs the pure-python ``gguf`` package (block
@@ -66,7 +68,24 @@ def _timed(fn, sync, min_seconds):
     return out, first, stats
 
 
-def run_case(fmt, x_host, x_dev, imp, llama, threads, min_seconds):
+def _first_differing(a, b, type_size):
+    import numpy as np
+
+    rows, blk = np.nonzero(~np.all(a.reshape(a.shape[0], -1, type_size) == b.reshape(b.shape[0], -1, type_size),
+                                   axis=-1))
+    return [[int(r), int(c)] for r, c in zip(rows[:8], blk[:8])]
+
+
+def _cpu_encode(fmt, x_host, imp):
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(x_host, cpu)
+    out = fmt.encode(x) if imp is None else fmt.encode(x, jax.device_put(imp, cpu))
+    return jax.device_get(out)
+
+
+def run_case(fmt, x_host, x_dev, imp, llama, threads, min_seconds, cpu_check=False):
     """One (format, importance) case -> dict of timings and agreement figures."""
     import jax
     import jax.numpy as jnp
@@ -87,6 +106,14 @@ def run_case(fmt, x_host, x_dev, imp, llama, threads, min_seconds):
     payload = np.asarray(jax.device_get(payload_dev))
     back = np.asarray(jax.device_get(back_dev))
     res["jax_roundtrip_rmse"] = float(np.sqrt(np.mean((back.astype(np.float64) - x_host) ** 2)))
+    if cpu_check:
+        t0 = time.perf_counter()
+        on_cpu = np.asarray(_cpu_encode(fmt, x_host, imp))
+        res["cpu_encode_first_call_s"] = time.perf_counter() - t0
+        share, differing, _ = _block_share(payload, on_cpu, fmt.type_size)
+        res.update(identical_blocks_vs_cpu_share=share, differing_blocks_vs_cpu=differing)
+        if differing:
+            res["first_differing_blocks_vs_cpu"] = _first_differing(payload, on_cpu, fmt.type_size)
     if llama is None:
         return res
     t0 = time.perf_counter()
@@ -97,9 +124,7 @@ def run_case(fmt, x_host, x_dev, imp, llama, threads, min_seconds):
     share, differing, total = _block_share(payload, want, fmt.type_size)
     res.update(identical_blocks_share=share, differing_blocks=differing, total_blocks=total)
     if differing:
-        rows, blk = np.nonzero(~np.all(payload.reshape(payload.shape[0], -1, fmt.type_size)
-                                       == want.reshape(want.shape[0], -1, fmt.type_size), axis=-1))
-        res["first_differing_blocks"] = [[int(r), int(b)] for r, b in zip(rows[:8], blk[:8])]
+        res["first_differing_blocks"] = _first_differing(payload, want, fmt.type_size)
     ref_back = llama.dequantize(want, fmt.type_id)
     dev_back = np.asarray(jax.device_get(fmt.decode(jnp.asarray(want))))
     res["decode_identical_values_share"] = _value_share(dev_back, ref_back)
@@ -111,6 +136,11 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new case after this many seconds")
     p.add_argument("--formats", default=",".join(ORDER), help="comma-separated formats, in run order")
     p.add_argument("--min-seconds", type=float, default=0.5, help="minimum timing window per measurement")
+    p.add_argument("--rows", type=int, default=None, help="weight rows (default 4096, --small 64)")
+    p.add_argument("--cols", type=int, default=None, help="weight columns, a multiple of 256 (default 14336, "
+                   "--small 1024)")
+    p.add_argument("--cpu-check", action="store_true", help="also compare the device bytes with jgptq's encode on "
+                   "the host CPU")
     args = p.parse_args(argv)
     return run(args)
 
@@ -119,6 +149,7 @@ def run(args):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     start = time.perf_counter()
     rows, cols = (64, 1024) if args.small else (4096, 14336)
+    rows, cols = args.rows or rows, args.cols or cols
     result = {"benchmark": "ggml_codecs", "shape": [rows, cols], "small": bool(args.small),
               "budget_s": args.budget_s, "formats": {}}
     try:
@@ -164,7 +195,7 @@ def run(args):
                 continue
             try:
                 entry[label] = run_case(gg.get_format(name), x, x_dev, importance, llama, os.cpu_count(),
-                                        args.min_seconds)
+                                        args.min_seconds, cpu_check=args.cpu_check)
             except Exception as exc:  # noqa: BLE001 - recorded, the other cases still run
                 entry[label] = {"error": repr(exc), "traceback": traceback.format_exc(limit=6)}
             print(f"{name:7s} {label:10s} {_line(entry[label])}", flush=True)
@@ -182,6 +213,8 @@ def _line(r):
     if "llama_encode_s" in r:
         s += (f"  llama.cpp {r['llama_encode_values_per_s'] / 1e6:8.1f} Mval/s  x{r['speedup_encode_vs_llama']:.2f}"
               f"  identical blocks {r['identical_blocks_share']:.4%}")
+    if "identical_blocks_vs_cpu_share" in r:
+        s += f"  vs CPU {r['identical_blocks_vs_cpu_share']:.4%}"
     return s
 
 
@@ -189,9 +222,9 @@ def _summary(formats):
     out = {}
     for name, entry in formats.items():
         for label, r in entry.items():
-            if "identical_blocks_share" in r:
-                out[f"{name}/{label}"] = {"identical_blocks_share": r["identical_blocks_share"],
-                                          "speedup_encode_vs_llama": r["speedup_encode_vs_llama"]}
+            keys = ("identical_blocks_share", "speedup_encode_vs_llama", "identical_blocks_vs_cpu_share")
+            if any(k in r for k in keys):
+                out[f"{name}/{label}"] = {k: r[k] for k in keys if k in r}
     return out
 
 

@@ -1,29 +1,47 @@
-"""Bit-exact float32 numerics shared by the GGML codecs.
+"""Bit-exact float32 numerics shared by every GGML codec (llama.cpp's C arithmetic, reproduced under XLA).
 
-llama.cpp's quantizers are plain IEEE float32 C: every product is rounded before it is added, every sum runs
-left to right, every division and square root is correctly rounded, and integers come from three different
-roundings. XLA does not promise any of that: it contracts ``a * b + c`` into a fused multiply-add (CPU and GPU),
-its GPU float32 division is not correctly rounded, and a tree reduction changes the low bits of a sum. The helpers
-here restore the C semantics by construction:
+llama.cpp's quantizers are plain IEEE float32 C, built without multiply-add contraction on x86-64: every product
+is rounded before it is added, every sum runs left to right, every division and square root is correctly rounded,
+and integers come from three different roundings. XLA promises none of that, and its GPU compiler rewrites more
+than its CPU compiler does. Each hazard and the construction here that defeats it:
 
-- :func:`settle` makes a value opaque to multiply-add contraction, so a product is rounded to float32 before use;
-- :func:`div` and :func:`sqrt` compute a float32 result and then pick, among its neighbours, the correctly
-  rounded one with exact float64 residuals (float64 is enabled locally, whatever ``jax_enable_x64`` says);
-- :func:`ordered_sum` adds terms in index order, one at a time;
-- :func:`nearest_int`, :func:`roundf` and :func:`trunc_int` are the three integer roundings of the C code;
-- fp16 conversion and byte packing helpers.
+- **Contraction.** XLA contracts ``a * b + c`` into a fused multiply-add on CPU and GPU (LLVM's ``contract``
+  fusion). :func:`settle` returns a value behind a select on its integer bits whose two arms are both non-constant:
+  no compiler can fold that select (it would need the bits) nor push a following addition into its arms, whatever
+  fast-math flags it sets, so ``settle(a * b) + c`` adds the rounded product. :func:`mul` is the settled product;
+  every product that C rounds before an addition goes through it.
+- **Division and square root.** XLA:GPU lowers float32 division to ``div.full.f32`` (up to 2 ulps off) and may
+  approximate square roots. :func:`div` and :func:`sqrt` compute in float64 from operands widened *bit by bit*
+  (integer shifts and masks) and round once to float32. For p = 24-bit operands and a q = 53-bit intermediate,
+  q >= 2p + 2, so one float64 operation rounded to float32 equals the correctly rounded float32 operation (the
+  exact quotient or root of float32 numbers never lies on, or within 2**-49 relative of, a float32 rounding
+  boundary, so even a float64 result a few ulps off would round the same way; GPUs round float64 ``/`` and
+  ``sqrt`` correctly). A plain ``x.astype(float64)`` would not do: LLVM narrows ``fptrunc(fdiv(fpext a, fpext
+  b))`` back to a float32 division, which XLA:GPU then lowers to its approximation; the compiler cannot see that
+  the bit-built widening is one. float64 is enabled only while these few operations are traced
+  (:func:`x64_scope`), whatever ``jax_enable_x64`` says; the results are settled (next point).
+- **Conversion chains.** XLA:GPU runs ``SimplifyFPConversions`` whenever ``xla_allow_excess_precision`` is on (the
+  default): any chain of two or more floating-point ``convert``s collapses to one, *even when a link rounds*. So
+  ``v.astype(float16).astype(float32)`` is ``v`` on the GPU (the bitcasts of a half round trip through uint16 are
+  folded away first), and ``x64 -> float32 -> float16`` skips the float32 rounding. Hence :func:`f16_value`
+  decodes half bits with integer arithmetic only, :func:`f16_bits` settles its input, and :func:`div` and
+  :func:`sqrt` settle their float32 result. XLA:CPU does not run that pass; ``tests/ggml/test_gpu_proxy.py``
+  checks every codec's optimized HLO for float-convert chains instead.
+- **Reductions.** XLA reductions are trees. :func:`ordered_sum` adds left to right, one float32 addition at a
+  time, like a C loop; :func:`prefix_sums` keeps every running sum. Maxima may use reductions (the result does not
+  depend on the order, up to the sign of zero, see :func:`seq_max`).
+- **Roundings.** :func:`nearest_int` (llama.cpp's 1.5 * 2**23 trick), :func:`roundf` (C ``roundf``) and
+  :func:`trunc_int` (C float -> int conversion).
 
-All functions are pure ``jnp`` and traceable under ``jit``/``vmap``/``lax`` loops.
+Every function is pure jnp, traceable under ``jit``/``vmap``/``lax`` loops. Functions that take a float value
+expect a rounded one: a product must come from :func:`mul` (or be settled) before it reaches them.
 
 Where results can still differ from llama.cpp:
 
-- XLA:CPU flushes float32 subnormals to zero (inputs and results). Blocks whose C computation itself passes
-  through subnormals differ: blocks whose values are all tiny (max |x| below about 1e-8 to 1e-5, depending on the
-  format; lower powers of x are involved in the legacy and Q4_K/Q5_K reference paths), or importance values so
-  small that weighted sums fall below 1.2e-38. Normal-range weights, including blocks that merely contain tiny
-  values, are unaffected. XLA:GPU keeps subnormals unless ``--xla_gpu_ftz=true``.
-- Corrections assume the backend's division and square root are within 2 ulps (XLA:GPU's approximations are);
-  a GPU approximate division returns garbage for divisors above 2**126, far outside the codecs' range.
+- XLA:CPU flushes float32 subnormals to zero (inputs and results of float32 arithmetic); C does not. Blocks whose
+  C computation passes through subnormals can differ on CPU: blocks whose values are all tiny (max |x| below about
+  1e-8 to 1e-5, depending on the format), or importance values so small that weighted sums fall below 2**-126.
+  Such blocks match llama.cpp run with subnormals flushed. XLA:GPU keeps subnormals unless ``--xla_gpu_ftz=true``.
 - Overflowing blocks (|x| above about 1e19, whose squares overflow float32) follow C's NaN/Inf propagation where
   it is cheap to do so, without a guarantee.
 """
@@ -37,125 +55,94 @@ from jax import lax
 
 F32 = jnp.float32
 I32 = jnp.int32
+QK_K = 256
 
 GROUP_MAX_EPS = np.float32(1e-15)
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23
+_NAN_PATTERN = np.uint32(0x7FC00001)  # the one bit pattern settle() changes (a NaN, to another NaN)
 
 
 def x64_scope():
-    """Context manager that enables 64-bit types while tracing the enclosed code (restores the setting after)."""
-    ctx = getattr(jax, "enable_x64", None)
-    if ctx is not None:
-        return ctx(True)
-    from jax.experimental import enable_x64  # older jax
+    """Context manager in which float64 arrays can be built, whatever the global ``jax_enable_x64`` setting."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:  # older jax
+        from jax.experimental import enable_x64 as enable
+    try:
+        return enable(True)
+    except TypeError:  # a context manager taking no argument
+        return enable()
 
-    return enable_x64()
 
-
-def _require_f64(v):
-    if v.dtype != jnp.float64:  # pragma: no cover - guards against a jax that ignores the scope
-        raise RuntimeError("float64 is unavailable inside jgptq.ggml's x64 scope: exact rounding cannot be ensured")
-    return v
-
+# ----------------------------------------------------------------------------------------------- rounding guards
 
 def settle(v):
-    """``v`` unchanged, as a value the compiler cannot fuse into a multiply-add with the operation that uses it.
+    """float32 ``v`` unchanged, as a value the compiler can neither fuse into a multiply-add nor convert again.
 
-    The select on ``v == v`` is an identity (a NaN stays a NaN), but code generators do not look through it, so
-    ``settle(a * b) + c`` adds the float32-rounded product, as C does.
+    A select on the integer bits whose arms are both non-constant (``v`` and ``v`` with its lowest bit flipped,
+    taken only for one NaN bit pattern, which becomes another NaN). Every non-NaN value passes bit for bit.
     """
-    v = jnp.asarray(v)
-    return jnp.where(v == v, v, v + v)
+    v = jnp.asarray(v, F32)
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    other = lax.bitcast_convert_type(bits ^ jnp.uint32(1), F32)
+    return jnp.where(bits != _NAN_PATTERN, v, other)
 
 
 def mul(a, b):
-    """float32 product ``a * b``, rounded before any later use (never contracted into an FMA)."""
-    return settle(jnp.asarray(a, F32) * jnp.asarray(b, F32))
+    """float32 product ``a * b``, rounded before any later use (never contracted into a multiply-add)."""
+    return settle(jnp.multiply(jnp.asarray(a, F32), jnp.asarray(b, F32)))
 
 
-def _neighbours(v, k):
-    """``v`` and its float32 neighbours up to ``k`` steps below and above, ascending."""
-    lo, hi = [v], [v]
-    for _ in range(k):
-        lo.append(jnp.nextafter(lo[-1], jnp.asarray(-jnp.inf, F32)))
-        hi.append(jnp.nextafter(hi[-1], jnp.asarray(jnp.inf, F32)))
-    return lo[::-1][:-1] + hi
+def _widen(a):
+    """float32 -> float64 exactly, built from the bits (the compiler cannot tell that it is a plain widening)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(a, F32), jnp.uint32).astype(jnp.uint64)
+    sign = bits >> np.uint64(31)
+    exp = (bits >> np.uint64(23)) & np.uint64(0xFF)
+    mant = bits & np.uint64(0x7FFFFF)
+    wide_exp = jnp.where(exp == 0xFF, np.uint64(0x7FF), exp + np.uint64(896))  # Inf/NaN keep an all-ones exponent
+    normal = lax.bitcast_convert_type((sign << np.uint64(63)) | (wide_exp << np.uint64(52)) | (mant << np.uint64(29)),
+                                      jnp.float64)
+    small = mant.astype(jnp.float64) * np.float64(2.0 ** -149)  # zero or subnormal: exact
+    small = jnp.where(sign == 1, -small, small)
+    return jnp.where(exp == 0, small, normal)
 
 
-def correct_quotient(a, b, q, k: int = 2):
-    """The correctly rounded float32 ``a / b``, given an approximation ``q`` within ``k`` ulps of it.
-
-    Each candidate ``c`` is scored by the exact residual ``|a - c*b|`` in float64 (``c*b`` has at most 48
-    significant bits); the nearest representable quotient has the smallest residual and ties cannot occur.
-    Non-finite or zero divisors keep ``q`` (IEEE semantics of the plain division).
-    """
-    a, b, q = (jnp.asarray(v, F32) for v in (a, b, q))
-    cands = _neighbours(q, k)
-    with x64_scope():
-        a64 = _require_f64(a.astype(jnp.float64))
-        b64 = b.astype(jnp.float64)
-        best = q
-        best_err = jnp.abs(a64 - q.astype(jnp.float64) * b64)
-        for c in cands:
-            err = jnp.abs(a64 - c.astype(jnp.float64) * b64)
-            take = err < best_err
-            best = jnp.where(take, c, best)
-            best_err = jnp.where(take, err, best_err)
-    ok = jnp.isfinite(q) & jnp.isfinite(a) & jnp.isfinite(b) & (b != 0)
-    return jnp.where(ok, best, q)
-
-
-def _plain_div(a, b):
+def _div64(a, b):
     return a / b
 
 
-def _plain_sqrt(a):
+def _sqrt64(a):
     return jnp.sqrt(a)
 
 
 def div(a, b):
-    """Correctly rounded float32 ``a / b`` on every backend (XLA:GPU's own float32 division is not)."""
-    a = jnp.asarray(a, F32)
-    b = jnp.asarray(b, F32)
-    return settle(correct_quotient(a, b, _plain_div(a, b)))
-
-
-def correct_sqrt(a, s, k: int = 2):
-    """The correctly rounded float32 ``sqrt(a)``, given an approximation ``s`` within ``k`` ulps of it.
-
-    Walking up the ascending candidates, the next one wins while the square of the midpoint between the two is
-    below ``a`` (midpoints have 25 significant bits, so their squares are exact in float64; ties cannot occur).
-    """
-    a, s = jnp.asarray(a, F32), jnp.asarray(s, F32)
-    cands = _neighbours(s, k)
+    """Correctly rounded float32 ``a / b`` on every backend (IEEE special cases included)."""
+    a, b = jnp.asarray(a, F32), jnp.asarray(b, F32)
     with x64_scope():
-        a64 = _require_f64(a.astype(jnp.float64))
-        best = cands[0]
-        for lo, hi in zip(cands[:-1], cands[1:]):
-            mid = (lo.astype(jnp.float64) + hi.astype(jnp.float64)) * 0.5
-            best = jnp.where(mid * mid < a64, hi, best)
-    ok = jnp.isfinite(a) & (a > 0) & jnp.isfinite(s)
-    return jnp.where(ok, best, s)
+        q = _div64(_widen(a), _widen(b)).astype(F32)
+    return settle(q)
 
 
 def sqrt(a):
     """Correctly rounded float32 square root (C ``sqrtf``) on every backend."""
-    a = jnp.asarray(a, F32)
-    return settle(correct_sqrt(a, _plain_sqrt(a)))
+    with x64_scope():
+        r = _sqrt64(_widen(a)).astype(F32)
+    return settle(r)
 
+
+# ----------------------------------------------------------------------------------------------- integer roundings
 
 def nearest_int(v):
     """llama.cpp's ``nearest_int``: adds 1.5 * 2**23 in float32 and reads the low mantissa bits -> int32.
 
     Round half to even for ``|v| <= 4194303``; outside that range it reproduces the same bit pattern as C.
     """
-    t = settle(jnp.asarray(v, F32)) + np.float32(12582912.0)
-    bits = lax.bitcast_convert_type(t, I32)
-    return (bits & 0x7FFFFF) - 0x400000
+    t = jnp.asarray(v, F32) + _MAGIC
+    return (lax.bitcast_convert_type(t, I32) & 0x7FFFFF) - 0x400000
 
 
 def roundf(v):
     """C ``roundf`` (half away from zero), exactly, as float32."""
-    v = settle(jnp.asarray(v, F32))
+    v = jnp.asarray(v, F32)
     a = jnp.abs(v)
     fl = jnp.floor(a)
     r = fl + jnp.where(a - fl >= np.float32(0.5), np.float32(1), np.float32(0))
@@ -164,7 +151,7 @@ def roundf(v):
 
 def trunc_int(v):
     """C conversion of a float to an integer (toward zero) -> int32, for values inside the int32 range."""
-    return jnp.trunc(settle(jnp.asarray(v, F32))).astype(I32)
+    return jnp.trunc(jnp.asarray(v, F32)).astype(I32)
 
 
 def as_f32(i):
@@ -172,17 +159,21 @@ def as_f32(i):
     return jnp.asarray(i).astype(F32)
 
 
-def ordered_sum(terms, start=None):
+# ----------------------------------------------------------------------------------------------- ordered reductions
+
+def ordered_sum(terms, start=None, unroll: int = 256):
     """``sum(terms[..., i] for i in range(n))`` added left to right in float32, like a C loop.
 
     Args:
-      terms: float32 (..., n).
-      start: None to start from ``terms[..., 0]``; ``0.0`` for a C sum initialized to zero (``0 + t`` turns
-        ``-0`` into ``+0``), or an array broadcastable to (...,).
+      terms: float32 (..., n), already rounded values (products from :func:`mul`).
+      start: None to start from ``terms[..., 0]`` (a C sum seeded with the first term); ``0.0`` for a C sum
+        initialized to zero (``0 + t`` turns ``-0`` into ``+0``); or an array broadcastable to (...,).
+      unroll: sums of up to this many terms are written out (XLA fuses them into one kernel); longer ones run in a
+        ``fori_loop`` (a small program; the order is the same).
     Returns:
       float32 (...,).
     """
-    terms = settle(jnp.asarray(terms, F32))
+    terms = jnp.asarray(terms, F32)
     n = terms.shape[-1]
     if start is None:
         acc = terms[..., 0]
@@ -190,16 +181,43 @@ def ordered_sum(terms, start=None):
         t0 = terms[..., 0]
         acc = jnp.where(t0 == 0, jnp.zeros_like(t0), t0)
     else:
-        acc = settle(jnp.asarray(start, F32)) + terms[..., 0]
-    if n <= 64:
+        acc = jnp.asarray(start, F32) + terms[..., 0]
+    if n <= unroll:
         for i in range(1, n):
             acc = acc + terms[..., i]
         return acc
 
-    def add(i, acc):  # long sums: a loop keeps the program small; the order is the same
+    def add(i, acc):
         return acc + lax.dynamic_index_in_dim(terms, i, axis=-1, keepdims=False)
 
     return lax.fori_loop(1, n, add, acc)
+
+
+def prefix_sums(p):
+    """Running sums along the last axis, from 0, one float32 addition at a time (a ``lax.scan``).
+
+    Args:
+      p: float32 (..., n).
+    Returns:
+      float32 (n + 1, ...): entry j is p[..., 0] + ... + p[..., j - 1] summed left to right (entry 0 is zeros).
+    """
+    def step(c, v):
+        c = c + v
+        return c, c
+
+    zero = jnp.zeros(p.shape[:-1], p.dtype)
+    _, sums = lax.scan(step, zero, jnp.moveaxis(p, -1, 0))
+    return jnp.concatenate([zero[None], sums], axis=0)
+
+
+def seq_max(p, axis=-1):
+    """llama.cpp's ``max = p[0]; max = MAX(max, p[i])`` along ``axis``.
+
+    For non-NaN input this is the plain maximum, except that C may return -0.0 where this returns +0.0; every
+    caller only compares the result with a positive threshold or with zero, or divides by it after such a test.
+    A reduction (not a chain of selects): XLA keeps it in its own kernel.
+    """
+    return jnp.max(p, axis=axis)
 
 
 def first_absmax(x):
@@ -238,14 +256,34 @@ def scan_max_gt(x, start=0.0):
     return m
 
 
+# ----------------------------------------------------------------------------------------------- fp16 and bytes
+
 def f16_bits(v):
-    """``GGML_FP32_TO_FP16``: float32 -> IEEE half bits (round to nearest even, subnormals kept) as uint16."""
-    return lax.bitcast_convert_type(jnp.asarray(v, F32).astype(jnp.float16), jnp.uint16)
+    """``GGML_FP32_TO_FP16``: float32 -> IEEE half bits (round to nearest even, subnormals kept) as uint16.
+
+    The input is settled first, so that the one conversion really starts from the float32 value.
+    """
+    return lax.bitcast_convert_type(settle(v).astype(jnp.float16), jnp.uint16)
 
 
 def f16_value(bits):
-    """``GGML_FP16_TO_FP32``: uint16 half bits -> float32 (exact)."""
-    return lax.bitcast_convert_type(jnp.asarray(bits, jnp.uint16), jnp.float16).astype(F32)
+    """``GGML_FP16_TO_FP32``: half bits (uint16 or any unsigned int below 2**16) -> float32, exactly.
+
+    Integer arithmetic only (no float16 conversion the compiler could pair with another and drop): normal halves
+    rebias their exponent, subnormal ones are normalized with a leading-zero count, Inf and NaN keep their payload
+    with the quiet bit set (what the hardware conversion does).
+    """
+    h = jnp.asarray(bits).astype(jnp.uint32) & 0xFFFF
+    sign = (h >> 15) << 31
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    normal = ((exp + 112) << 23) | (mant << 13)
+    special = jnp.uint32(0x7F800000) | (mant << 13) | jnp.where(mant != 0, jnp.uint32(0x400000), jnp.uint32(0))
+    shift = lax.clz(mant) - 21  # mant << shift has its leading one at bit 10
+    sub = ((113 - shift) << 23) | (((mant << shift) & 0x3FF) << 13)
+    sub = jnp.where(mant == 0, jnp.uint32(0), sub)
+    out = jnp.where(exp == 0, sub, jnp.where(exp == 0x1F, special, normal))
+    return lax.bitcast_convert_type(sign | out, F32)
 
 
 def f16_round(v):
@@ -281,6 +319,22 @@ def read_u32(b):
 def read_f16(b):
     """uint8 (..., 2) little-endian half -> float32 (...,)."""
     return f16_value(read_u16(b))
+
+
+def le_bytes(v, nbytes: int):
+    """uint8 (..., k * nbytes): little-endian bytes of the unsigned integers ``v`` (..., k)."""
+    v = jnp.asarray(v).astype(jnp.uint32)
+    parts = [((v >> (8 * i)) & 0xFF).astype(jnp.uint8) for i in range(nbytes)]
+    return jnp.stack(parts, axis=-1).reshape(*v.shape[:-1], v.shape[-1] * nbytes)
+
+
+def from_le(b, nbytes: int):
+    """uint32 (..., k): little-endian unsigned integers from bytes ``b`` (..., k * nbytes)."""
+    b = jnp.asarray(b, jnp.uint8).astype(jnp.uint32).reshape(*b.shape[:-1], -1, nbytes)
+    v = b[..., 0]
+    for i in range(1, nbytes):
+        v = v | (b[..., i] << (8 * i))
+    return v
 
 
 def pack_nibbles(lo, hi):

@@ -21,9 +21,9 @@ import numpy as np
 from jax import lax
 
 from jgptq.ggml import registry
+from jgptq.ggml.common import (div, f16_bits, f16_value, from_le, le_bytes, mul, nearest_int, ordered_sum,
+                               prefix_sums, seq_max)
 from jgptq.ggml.iq_block import encode_rows, grid_values, imatrix_weights, pack_fields, payload_blocks, row_sigma2
-from jgptq.ggml.iq_common import (div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, nearest_int, prefix_sums,
-                                  seq_max, seq_sum)
 from jgptq.ggml.iq_grids import get_grid
 from jgptq.ggml.iq_search import compact_code, tables
 
@@ -44,7 +44,7 @@ def _pairs(n):
 def decode_iq1_s(payload):
     """IQ1_S payload uint8 (..., nb * 50) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 50)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     lo = blk[:, 2:34].astype(jnp.uint32).reshape(-1, 8, 4)
     qh = from_le(blk[:, 34:50], 2)  # (m, 8)
     idx = lo | (((qh[..., None] >> (3 * jnp.arange(4, dtype=jnp.uint32))) & 7) << 8)
@@ -61,7 +61,7 @@ def decode_iq1_m(payload):
     qh = blk[:, 32:48].astype(jnp.uint32)  # (m, 16)
     sc = from_le(blk[:, 48:56], 2)  # (m, 4)
     bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
-    d = fp16_to_f32(bits)
+    d = f16_value(bits)
     s = (sc[:, :, None] >> (3 * jnp.arange(4, dtype=jnp.uint32))) & 7  # (m, 4, 4): 16 scales in order
     dl = d[:, None] * (2 * s.reshape(-1, 16) + 1).astype(jnp.float32)
     hi = jnp.stack([qh & 7, (qh >> 4) & 7], axis=-1)
@@ -184,8 +184,8 @@ def _encode_s_blocks(xb, qw):
     xg, wg = x.reshape(mb, 4, 8), weight.reshape(mb, 4, 8)
     gidx, all_on = _grid_indices(lev.reshape(mb, 4, 8), xg, wg, scale, vals, t)
     q = _group_values(gidx, vals, t).reshape(mb, 32)
-    sqx = seq_sum(mul(mul(weight, q), x))
-    sq2 = seq_sum(mul(mul(weight, q), q))
+    sqx = ordered_sum(mul(mul(weight, q), x))
+    sq2 = ordered_sum(mul(mul(weight, q), q))
     refit = ~all_on & (sqx > 0) & (sq2 > 0)
     scale = jnp.where(refit, div(sqx, jnp.where(refit, sq2, np.float32(1.0))), scale)
     scale = jnp.where(skip, np.float32(0.0), scale)
@@ -200,7 +200,7 @@ def _encode_s_blocks(xb, qw):
     code = (code | jnp.where(minus, 8, 0)).astype(jnp.uint32)
     qh = (gidx[..., 0] >> 8) | ((gidx[..., 1] >> 8) << 3) | ((gidx[..., 2] >> 8) << 6) | ((gidx[..., 3] >> 8) << 9)
     qh = qh | jnp.where(have[:, None], code << 12, 0)
-    dbits = jnp.where(have, fp16_bits(mul(d, np.float32(1.125))), 0)
+    dbits = jnp.where(have, f16_bits(mul(d, np.float32(1.125))), 0)
     return pack_fields([le_bytes(dbits[:, None], 2), (gidx & 255).reshape(m, 32).astype(jnp.uint8),
                         le_bytes(qh, 2)])
 
@@ -261,8 +261,8 @@ def _encode_m_blocks(xb, qw):
     gidx, all_on = _grid_indices(lev.reshape(mb, 2, 8), x.reshape(mb, 2, 8), weight.reshape(mb, 2, 8), scale,
                                  vals, t)
     q = _group_values(gidx, vals, t).reshape(mb, 16)
-    sqx = seq_sum(mul(mul(weight, q), x))
-    sq2 = seq_sum(mul(mul(weight, q), q))
+    sqx = ordered_sum(mul(mul(weight, q), x))
+    sq2 = ordered_sum(mul(mul(weight, q), q))
     refit = ~all_on & (sqx > 0) & (sq2 > 0)
     scale = jnp.where(refit, div(sqx, jnp.where(refit, sq2, np.float32(1.0))), scale)
     scale = jnp.where(skip, np.float32(0.0), scale)
@@ -281,10 +281,10 @@ def _encode_m_blocks(xb, qw):
     qv = jnp.where(lv == 0, vals[..., 0:1], jnp.where(lv == 1, vals[..., 1:2], vals[..., 2:3]))
     q = mul(qv, (2 * code + 1).astype(jnp.float32)[..., None, None]).reshape(m, 256)
     w = weight.reshape(m, 256)
-    sqx = seq_sum(mul(mul(w, q), xb))
-    sq2 = seq_sum(mul(mul(w, q), q))
+    sqx = ordered_sum(mul(mul(w, q), xb))
+    sq2 = ordered_sum(mul(mul(w, q), q))
     d = jnp.where(sq2 > 0, div(sqx, jnp.where(sq2 > 0, sq2, np.float32(1.0))), d)
-    dbits = fp16_bits(mul(d, np.float32(1.1125)))
+    dbits = f16_bits(mul(d, np.float32(1.1125)))
     code = code.astype(jnp.uint32).reshape(m, 4, 4) << (3 * jnp.arange(4, dtype=jnp.uint32))
     sc = code[..., 0] | code[..., 1] | code[..., 2] | code[..., 3]
     sc = sc | (((dbits[:, None] >> (4 * jnp.arange(4, dtype=jnp.uint32))) & 0xF) << 12)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.ggml import registry
+from jgptq.ggml.common import QK_K, div, f16_bits, f16_value, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, pack_fields,
                                  parity_signs, payload_blocks, row_sigma2, sign_bits, super_scale_codes)
-from jgptq.ggml.iq_common import QK_K, div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid, ksigns
 from jgptq.ggml.iq_search import make_qp_quants, scale_search, tables, trial_numerators
 
@@ -32,7 +32,7 @@ from jgptq.ggml.iq_search import make_qp_quants, scale_search, tables, trial_num
 def decode_iq2_xxs(payload):
     """IQ2_XXS payload uint8 (..., nb * 66) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 66)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     q = from_le(blk[:, 2:], 4).reshape(-1, 8, 2)
     idx = le_bytes(q[..., :1], 4).reshape(-1, 8, 4)
     aux = q[..., 1]
@@ -46,7 +46,7 @@ def decode_iq2_xxs(payload):
 def decode_iq2_xs(payload):
     """IQ2_XS payload uint8 (..., nb * 74) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 74)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     qs = from_le(blk[:, 2:66], 2).reshape(-1, 8, 4)
     sc = blk[:, 66:74].astype(jnp.uint32)
     nib = jnp.stack([sc & 15, sc >> 4], axis=-1).astype(jnp.float32)  # (m, 8, 2)
@@ -60,7 +60,7 @@ def decode_iq2_xs(payload):
 def decode_iq2_s(payload):
     """IQ2_S payload uint8 (..., nb * 82) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 82)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     lo = blk[:, 2:34].astype(jnp.uint32).reshape(-1, 8, 4)
     sgn = blk[:, 34:66].reshape(-1, 8, 4)
     qh = blk[:, 66:74].astype(jnp.uint32)
@@ -115,7 +115,7 @@ def _encode_xs_blocks(xb, qw):
     d, codes, ms = super_scale_codes(scale, 15)
     q2 = (gidx.astype(jnp.uint32) | (signs << 9)).reshape(m, 32)
     sc = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(jnp.uint32)
-    return pack_fields([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 2), sc.astype(jnp.uint8)], zero=ms == 0)
+    return pack_fields([le_bytes(f16_bits(d)[:, None], 2), le_bytes(q2, 2), sc.astype(jnp.uint8)], zero=ms == 0)
 
 
 def _encode_s_blocks(xb, qw):
@@ -126,7 +126,7 @@ def _encode_s_blocks(xb, qw):
     hi = (gidx >> 8).reshape(m, 8, 4) << (2 * jnp.arange(4, dtype=jnp.uint32))
     qh = hi[..., 0] | hi[..., 1] | hi[..., 2] | hi[..., 3]
     sc = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(0.9875)))[:, None], 2),
+    return pack_fields([le_bytes(f16_bits(mul(d, np.float32(0.9875)))[:, None], 2),
                         (gidx & 255).astype(jnp.uint8), signs.reshape(m, 32).astype(jnp.uint8),
                         qh.astype(jnp.uint8), sc.astype(jnp.uint8)])
 
@@ -157,7 +157,7 @@ def _encode_xxs_blocks(xb, qw):
     w1 = signs[..., 0] | (signs[..., 1] << 7) | (signs[..., 2] << 14) | (signs[..., 3] << 21)
     w1 = w1 | (codes.astype(jnp.uint32) << 28)
     q2 = jnp.stack([w0, w1], axis=-1).reshape(m, 16)
-    return pack_fields([le_bytes(fp16_bits(d)[:, None], 2), le_bytes(q2, 4)], zero=ms == 0)
+    return pack_fields([le_bytes(f16_bits(d)[:, None], 2), le_bytes(q2, 4)], zero=ms == 0)
 
 
 @jax.jit

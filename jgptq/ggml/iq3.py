@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.ggml import registry
+from jgptq.ggml.common import div, f16_bits, f16_value, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_block import (encode_rows, explicit_signs, grid_values, imatrix_weights, pack_fields,
                                  parity_signs, payload_blocks, row_sigma2, sign_bits, super_scale_codes)
-from jgptq.ggml.iq_common import div, fp16_bits, fp16_to_f32, from_le, le_bytes, mul, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid, ksigns
 from jgptq.ggml.iq_search import scale_search, tables, trial_numerators
 
@@ -28,7 +28,7 @@ from jgptq.ggml.iq_search import scale_search, tables, trial_numerators
 def decode_iq3_xxs(payload):
     """IQ3_XXS payload uint8 (..., nb * 98) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 98)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     idx = blk[:, 2:66].reshape(-1, 8, 4, 2)  # (m, ib32, group of 8, two grid points)
     aux = from_le(blk[:, 66:98], 4)  # (m, 8)
     db = (d[:, None] * (np.float32(0.5) + (aux >> 28).astype(jnp.float32))) * np.float32(0.5)
@@ -42,7 +42,7 @@ def decode_iq3_xxs(payload):
 def decode_iq3_s(payload):
     """IQ3_S payload uint8 (..., nb * 110) -> float32 (..., nb * 256)."""
     blk, lead = payload_blocks(payload, 110)
-    d = fp16_to_f32(from_le(blk[:, :2], 2)[:, 0])
+    d = f16_value(from_le(blk[:, :2], 2)[:, 0])
     lo = blk[:, 2:66].astype(jnp.uint32).reshape(-1, 8, 8)  # (m, ib32, grid point)
     qh = blk[:, 66:74].astype(jnp.uint32)
     sgn = blk[:, 74:106].reshape(-1, 8, 4)
@@ -95,7 +95,7 @@ def _encode_xxs_blocks(xb, qw):
     d, codes, ms = super_scale_codes(scale, 15)
     aux = signs[..., 0] | (signs[..., 1] << 7) | (signs[..., 2] << 14) | (signs[..., 3] << 21)
     aux = aux | (codes.astype(jnp.uint32) << 28)
-    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(1.0125)))[:, None], 2),
+    return pack_fields([le_bytes(f16_bits(mul(d, np.float32(1.0125)))[:, None], 2),
                         gidx.reshape(m, 64).astype(jnp.uint8), le_bytes(aux, 4)], zero=ms == 0)
 
 
@@ -114,7 +114,7 @@ def _encode_s_blocks(xb, qw):
     kept = jnp.arange(8)[None, :] < jnp.sum(~skip, axis=1, keepdims=True)
     lo = jnp.where(kept[..., None], jnp.take_along_axis(gidx & 255, src[..., None], axis=1), 0)
     sg = jnp.where(kept[..., None], jnp.take_along_axis(signs, src[..., None], axis=1), 0)
-    return pack_fields([le_bytes(fp16_bits(mul(d, np.float32(1.033)))[:, None], 2),
+    return pack_fields([le_bytes(f16_bits(mul(d, np.float32(1.033)))[:, None], 2),
                         lo.reshape(m, 64).astype(jnp.uint8), qh.astype(jnp.uint8),
                         sg.reshape(m, 32).astype(jnp.uint8), sc.astype(jnp.uint8)])
 

@@ -30,7 +30,6 @@ from jgptq.ggml.common import (
     pack_nibbles,
     read_f16,
     read_u16,
-    settle,
     sqrt,
     u16_le,
     unblock,
@@ -53,11 +52,11 @@ def nearest_level(v):
     closer (``v - lower < upper - v`` in float32).
     """
     vals = _levels()
-    v = settle(jnp.asarray(v, F32))
+    v = jnp.asarray(v, F32)
     above = jnp.sum((vals <= v[..., None]).astype(jnp.int32), axis=-1)
     mu = jnp.where(v == v, jnp.clip(above, 1, 15), 15)  # C's bisection ends on the top pair for a NaN
     lower, upper = vals[mu - 1], vals[mu]
-    idx = jnp.where(settle(v - lower) < settle(upper - v), mu - 1, mu)
+    idx = jnp.where(v - lower < upper - v, mu - 1, mu)
     idx = jnp.where(v <= vals[0], 0, idx)
     return jnp.where(v >= vals[15], 15, idx)
 
@@ -95,7 +94,7 @@ def _weights(xs, importance, sigma2):
     if importance is None:
         return sq
     qw = jnp.asarray(importance, F32).reshape(xs.shape[-3:])
-    return mul(qw, sqrt(settle(sigma2[..., None, None] + sq)))
+    return mul(qw, sqrt(sigma2[..., None, None] + sq))
 
 
 def _nibbles32(codes):

@@ -1,7 +1,7 @@
 """Block-level pieces shared by the IQ1/IQ2/IQ3 codecs: weights, signs, super-block scales, drivers.
 
 All functions are pure jnp on batches of super-blocks (leading axis m) and reproduce llama.cpp's float32 order of
-operations (see :mod:`jgptq.ggml.iq_common`).
+operations (see :mod:`jgptq.ggml.common`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgptq.ggml.iq_common import (QK_K, div, map_chunks, mul, nearest_int, seq_max, seq_sum, sqrt,
-                                  superblocks)
+from jgptq.ggml.common import QK_K, div, mul, nearest_int, ordered_sum, seq_max, sqrt
 from jgptq.ggml.iq_grids import get_grid
 
 CHUNK = 8192  # default super-blocks per lax.map step of an encoder (bounds peak memory)
@@ -59,7 +58,7 @@ def pack_fields(parts, zero=None):
 
 def row_sigma2(xb, factor: float):
     """``factor * sum(x**2) / 256`` per super-block (m,), summed in order like llama.cpp."""
-    sumx2 = seq_sum(mul(xb, xb))
+    sumx2 = ordered_sum(mul(xb, xb))
     if factor != 1:
         sumx2 = mul(np.float32(factor), sumx2)
     return div(sumx2, np.float32(QK_K))
@@ -113,6 +112,46 @@ def super_scale_codes(scales, nmax: int):
     return d, codes, ms
 
 
+def superblocks(x, importance):
+    """Cuts rows into 256-value super-blocks.
+
+    Args:
+      x: float32 (..., n), n a multiple of 256.
+      importance: float32 (n,) or None.
+    Returns:
+      (xb float32 (m, 256), qw float32 (m, 256) or None, lead shape, n).
+    """
+    x = jnp.asarray(x, jnp.float32)
+    lead, n = x.shape[:-1], x.shape[-1]
+    nb = n // QK_K
+    xb = x.reshape(-1, QK_K)
+    qw = None
+    if importance is not None:
+        imp = jnp.asarray(importance, jnp.float32).reshape(nb, QK_K)
+        rows = xb.shape[0] // nb if nb else 0
+        qw = jnp.broadcast_to(imp[None], (rows, nb, QK_K)).reshape(-1, QK_K)
+    return xb, qw, lead, n
+
+
+def map_chunks(fn, args, chunk: int):
+    """Applies ``fn`` to row chunks of every array in ``args`` (leading axis m) with lax.map; bounds peak memory.
+
+    ``fn`` maps arrays (c, ...) to one array (c, ...). Rows are padded with zeros to a multiple of the chunk.
+    """
+    m = args[0].shape[0]
+    if m <= chunk:
+        return fn(*args)
+    n_chunks = -(-m // chunk)
+    pad = n_chunks * chunk - m
+
+    def prep(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(n_chunks, chunk, *a.shape[1:])
+
+    out = lax.map(lambda t: fn(*t), tuple(prep(a) for a in args))
+    return out.reshape(n_chunks * chunk, *out.shape[2:])[:m]
+
+
 def encode_rows(block_fn, type_size, x, importance, chunk=CHUNK):
     """Runs ``block_fn`` over the super-blocks of ``x`` (..., n), ``chunk`` super-blocks at a time.
 
@@ -124,5 +163,3 @@ def encode_rows(block_fn, type_size, x, importance, chunk=CHUNK):
     else:
         out = map_chunks(block_fn, (xb, qw), chunk)
     return out.reshape(*lead, n // QK_K * type_size)
-
-

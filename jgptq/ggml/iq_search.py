@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jgptq.ggml.iq_common import div, mul, nearest_int, seq_max, seq_sum
+from jgptq.ggml.common import div, mul, nearest_int, ordered_sum, seq_max
 from jgptq.ggml.iq_grids import IQGrid
 
 
@@ -97,8 +97,8 @@ def round_to_grid(xval, waux, id_, scale, t: GridTables, g: int, kmax: int):
 def fit_sums(xval, weight, gidx, t: GridTables):
     """(sumqx, sumq2) of the levels of grid choices ``gidx`` (m, ngroups) against ``xval``, as llama.cpp sums them."""
     q = t.qvals[gidx].reshape(xval.shape)
-    sumqx = seq_sum(mul(mul(weight, xval), q))
-    sumq2 = seq_sum(mul(mul(weight, q), q))
+    sumqx = ordered_sum(mul(mul(weight, xval), q))
+    sumq2 = ordered_sum(mul(mul(weight, q), q))
     return sumqx, sumq2
 
 
@@ -179,20 +179,20 @@ def make_qp_quants(x, w, nmax: int):
     l0 = nearest_int(mul(iscale[:, None], x)) & 255
     scale = div(np.float32(1.0), iscale)
     diff = x - mul(scale[:, None], l0.astype(jnp.float32))
-    best_mse = seq_sum(mul(mul(w, diff), diff))
+    best_mse = ordered_sum(mul(mul(w, diff), diff))
     for is_ in (-4, -3, -2, -1, 1, 2, 3, 4):
         iscale_is = div(np.float32(0.1) * np.float32(is_) + np.float32(nmax), fmax)
         scale_is = div(np.float32(1.0), iscale_is)
         lq = jnp.minimum(nmax, nearest_int(mul(iscale_is[:, None], x)))
         diff = x - mul(scale_is[:, None], lq.astype(jnp.float32))
-        mse = seq_sum(mul(mul(w, diff), diff))
+        mse = ordered_sum(mul(mul(w, diff), diff))
         better = mse < best_mse
         best_mse = jnp.where(better, mse, best_mse)
         iscale = jnp.where(better, iscale_is, iscale)
     lq = jnp.minimum(nmax, nearest_int(mul(iscale[:, None], x)))
     lf = lq.astype(jnp.float32)
-    sumlx = seq_sum(mul(mul(w, x), lf))
-    suml2 = seq_sum(mul(mul(w, lf), lf))
+    sumlx = ordered_sum(mul(mul(w, x), lf))
+    suml2 = ordered_sum(mul(mul(w, lf), lf))
     # Coordinate descent: element by element, five passes (a pass that changes nothing leaves every later pass
     # unchanged too, so running all five equals llama.cpp's early exit). Columns lead for cheap dynamic indexing.
     xt, wt, wxt = x.T, w.T, mul(w, x).T

@@ -31,7 +31,6 @@ from jgptq.ggml.common import (
     ordered_sum,
     read_f16,
     scan_max_gt,
-    settle,
     sqrt,
     u16_le,
     unblock,
@@ -158,7 +157,7 @@ def decode_q2_k(payload):
     dl = mul(d[..., None], as_f32(sc & 0xF))[..., None]
     ml = mul(dmin[..., None], as_f32(sc >> 4))[..., None]
     q = as_f32(_unpack_2bit(p[..., 16:80])).reshape(p.shape[:-1] + (16, 16))
-    return unblock(_flat(settle(mul(dl, q) - ml)))
+    return unblock(_flat(mul(dl, q) - ml))
 
 
 def decode_q3_k(payload):
@@ -175,7 +174,7 @@ def _decode_affine(p, q):
     sc, m = _unpack_scale_min(p[..., 4:16])
     dl = mul(d[..., None], as_f32(sc))[..., None]
     ml = mul(dmin[..., None], as_f32(m))[..., None]
-    return unblock(_flat(settle(mul(dl, as_f32(q).reshape(q.shape[:-1] + (8, 32))) - ml)))
+    return unblock(_flat(mul(dl, as_f32(q).reshape(q.shape[:-1] + (8, 32))) - ml))
 
 
 def decode_q4_k(payload):
@@ -211,12 +210,12 @@ def _superblock_sigma2(xb, factor):
 def _importance_weights(xs, importance, sigma2):
     """``qw * sqrtf(sigma2 + x*x)`` for sub-blocks xs (..., nb, k, size)."""
     qw = jnp.asarray(importance, F32).reshape(xs.shape[-3:])
-    return mul(qw, sqrt(settle(sigma2[..., None, None] + mul(xs, xs))))
+    return mul(qw, sqrt(sigma2[..., None, None] + mul(xs, xs)))
 
 
 def _requant(xs, dq, lo, hi, old, mq=None):
     """Codes from the decoded sub-scales: clamp(nearest_int((x + mq) / dq)), kept from ``old`` where dq == 0."""
-    num = xs if mq is None else settle(xs + mq[..., None])
+    num = xs if mq is None else xs + mq[..., None]
     new = jnp.clip(nearest_int(div(num, dq[..., None])), lo, hi)
     return jnp.where((dq != 0)[..., None], new, old)
 
@@ -294,7 +293,7 @@ def _encode_affine_k(x, importance, nmax, ref_search):
     xs = _sub(xb, 32)
     if importance is None:
         av_x = sqrt(div(ordered_sum(mul(xs, xs), 0.0), np.float32(32)))
-        w = settle(av_x[..., None] + jnp.abs(xs))
+        w = av_x[..., None] + jnp.abs(xs)
         scales, mins, lsub = affine_search(xs, w, nmax, *ref_search, False)
         max_scale, max_min = scan_max_gt(scales), scan_max_gt(mins)
         inv_scale = jnp.where(max_scale > 0, div(np.float32(63), max_scale), 0.0)

@@ -31,7 +31,6 @@ from jgptq.ggml.common import (
     read_u32,
     roundf,
     scan_min_max,
-    settle,
     sqrt,
     trunc_int,
     u16_le,
@@ -65,7 +64,7 @@ def row_mean_square(x):
 def _weights(xb, importance, sigma2):
     """``qw * sqrtf(sigma2 + x*x)`` per value: float32 (..., nb, 32)."""
     qw = blocks(jnp.asarray(importance, F32), QK)
-    return mul(qw, sqrt(settle(sigma2[..., None, None] + mul(xb, xb))))
+    return mul(qw, sqrt(sigma2[..., None, None] + mul(xb, xb)))
 
 
 def _high_bits(q):
@@ -87,7 +86,7 @@ def _absmax_scale(xb, div_by):
 
 def _min_max_scale(xb, levels):
     lo, hi = scan_min_max(xb)
-    d = div(settle(hi - lo), np.float32(levels))
+    d = div(hi - lo, np.float32(levels))
     inv = jnp.where(d != 0, div(np.float32(1), d), 0.0)
     return lo, d, inv
 
@@ -108,7 +107,7 @@ def encode_q4_0(x, importance=None, row_sigma2=None):
     xb = blocks(jnp.asarray(x, F32), QK)
     if importance is None:
         d, inv = _absmax_scale(xb, -8)
-        q = jnp.minimum(15, trunc_int(settle(mul(xb, inv[..., None]) + np.float32(8.5))))
+        q = jnp.minimum(15, trunc_int(mul(xb, inv[..., None]) + np.float32(8.5)))
     else:
         w = _weights(xb, importance, _sigma2(x, row_sigma2))
         d, q = symmetric_search(xb, 8, w)
@@ -120,7 +119,7 @@ def encode_q5_0(x, importance=None, row_sigma2=None):
     xb = blocks(jnp.asarray(x, F32), QK)
     if importance is None:
         d, inv = _absmax_scale(xb, -16)
-        q = jnp.minimum(31, trunc_int(settle(mul(xb, inv[..., None]) + np.float32(16.5))))
+        q = jnp.minimum(31, trunc_int(mul(xb, inv[..., None]) + np.float32(16.5)))
     else:
         w = _weights(xb, importance, _sigma2(x, row_sigma2))
         d, q = symmetric_search(xb, 16, w)
@@ -132,7 +131,7 @@ def encode_q4_1(x, importance=None, row_sigma2=None):
     xb = blocks(jnp.asarray(x, F32), QK)
     if importance is None:
         m, d, inv = _min_max_scale(xb, 15)
-        v = settle(mul(settle(xb - m[..., None]), inv[..., None]) + np.float32(0.5))
+        v = mul(xb - m[..., None], inv[..., None]) + np.float32(0.5)
         q = jnp.minimum(15, trunc_int(v))
     else:
         w = _weights(xb, importance, _sigma2(x, row_sigma2))
@@ -146,7 +145,7 @@ def encode_q5_1(x, importance=None, row_sigma2=None):
     xb = blocks(jnp.asarray(x, F32), QK)
     if importance is None:
         m, d, inv = _min_max_scale(xb, 31)
-        v = settle(mul(settle(xb - m[..., None]), inv[..., None]) + np.float32(0.5))
+        v = mul(xb - m[..., None], inv[..., None]) + np.float32(0.5)
         q = trunc_int(v) & 0xFF  # C stores the truncated value in a uint8_t without clamping
     else:
         w = _weights(xb, importance, _sigma2(x, row_sigma2))
@@ -186,7 +185,7 @@ def decode_q4_1(payload):
     p = _split(payload, 20)
     d, m = read_f16(p[..., 0:2]), read_f16(p[..., 2:4])
     q = unpack_nibbles(p[..., 4:20])
-    return unblock(settle(mul(as_f32(q), d[..., None]) + m[..., None]))
+    return unblock(mul(as_f32(q), d[..., None]) + m[..., None])
 
 
 def _five_bit(qh_bytes, qs):
@@ -208,7 +207,7 @@ def decode_q5_1(payload):
     p = _split(payload, 24)
     d, m = read_f16(p[..., 0:2]), read_f16(p[..., 2:4])
     q = _five_bit(p[..., 4:8], p[..., 8:24])
-    return unblock(settle(mul(as_f32(q), d[..., None]) + m[..., None]))
+    return unblock(mul(as_f32(q), d[..., None]) + m[..., None])
 
 
 def decode_q8_0(payload):

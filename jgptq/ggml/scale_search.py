@@ -28,7 +28,6 @@ from jgptq.ggml.common import (
     nearest_int,
     ordered_sum,
     scan_min_max,
-    settle,
 )
 
 
@@ -112,14 +111,14 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
     flat = hi == mn
 
     def codes(iscale, mn):
-        return jnp.clip(nearest_int(mul(_bcast(iscale), settle(x - _bcast(mn)))), 0, nmax)
+        return jnp.clip(nearest_int(mul(_bcast(iscale), x - _bcast(mn))), 0, nmax)
 
     def error(scale, mn, lv):
-        diff = settle(settle(mul(_bcast(scale), as_f32(lv)) + _bcast(mn)) - x)
+        diff = mul(_bcast(scale), as_f32(lv)) + _bcast(mn) - x
         diff = jnp.abs(diff) if use_mad else mul(diff, diff)
         return ordered_sum(mul(w, diff), 0.0)
 
-    iscale = div(np.float32(nmax), settle(hi - mn))
+    iscale = div(np.float32(nmax), hi - mn)
     scale = div(np.float32(1), iscale)
     lv = codes(iscale, mn)
     best = error(scale, mn, lv)
@@ -130,15 +129,15 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
     def body(k, carry):
         lbest, best, scale, mn_cur = carry
         # C keeps updating ``min`` inside the loop: later tries measure the range from the accepted min.
-        la = codes(div(tries[k], settle(hi - mn_cur)), mn_cur)
+        la = codes(div(tries[k], hi - mn_cur), mn_cur)
         lf = as_f32(la)
         wl = mul(w, lf)
         sum_l = ordered_sum(wl, 0.0)
         sum_l2 = ordered_sum(mul(wl, lf), 0.0)
         sum_xl = ordered_sum(mul(wl, x), 0.0)
-        d = settle(mul(sum_w, sum_l2) - mul(sum_l, sum_l))
-        this_scale = div(settle(mul(sum_w, sum_xl) - mul(sum_x, sum_l)), d)
-        this_min = div(settle(mul(sum_l2, sum_x) - mul(sum_l, sum_xl)), d)
+        d = mul(sum_w, sum_l2) - mul(sum_l, sum_l)
+        this_scale = div(mul(sum_w, sum_xl) - mul(sum_x, sum_l), d)
+        this_min = div(mul(sum_l2, sum_x) - mul(sum_l, sum_xl), d)
         clamp = this_min > 0
         this_min = jnp.where(clamp, 0.0, this_min)
         this_scale = jnp.where(clamp, div(sum_xl, sum_l2), this_scale)
@@ -166,7 +165,7 @@ def positive_search(x, w, nmax: int):
     scale = div(np.float32(1), iscale)
 
     def mse(scale, lv):
-        diff = settle(x - mul(_bcast(scale), as_f32(lv)))
+        diff = x - mul(_bcast(scale), as_f32(lv))
         return ordered_sum(mul(mul(w, diff), diff), 0.0)
 
     best = mse(scale, l0)
@@ -214,12 +213,12 @@ def _coordinate_descent(x, w, wx, lv, sumlx, suml2, clamp, positive: bool):
         xi, wi, wxi = (lax.dynamic_index_in_dim(a, i, axis=-1, keepdims=False) for a in (x, w, wx))
         old = lax.dynamic_index_in_dim(lv, i, axis=-1, keepdims=False)
         li = as_f32(old)
-        slx = settle(sumlx - mul(wxi, li))
-        sl2 = settle(suml2 - mul(mul(wi, li), li))
+        slx = sumlx - mul(wxi, li)
+        sl2 = suml2 - mul(mul(wi, li), li)
         new_l = clamp(nearest_int(div(mul(xi, sl2), slx)))
         nf = as_f32(new_l)
-        slx2 = settle(slx + mul(wxi, nf))
-        sl2b = settle(sl2 + mul(mul(wi, nf), nf))
+        slx2 = slx + mul(wxi, nf)
+        sl2b = sl2 + mul(mul(wi, nf), nf)
         take = (slx > 0) & (new_l != old) & (mul(mul(slx2, slx2), suml2) > mul(mul(sumlx, sumlx), sl2b))
         take = take & ((sl2 > 0) if positive else (sl2b > 0))
         if positive:

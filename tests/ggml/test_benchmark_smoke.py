@@ -25,3 +25,18 @@ def test_budget_skips_cases(tmp_path):
     ggml_codecs.main(["--small", "--formats", "q4_0", "--budget-s", "0", "--out", str(out)])
     res = json.loads(out.read_text())
     assert "skipped" in res["formats"]["q4_0"]["none"]
+
+
+def test_shape_options_and_cpu_check(tmp_path):
+    out = tmp_path / "ggml_codecs.json"
+    rc = ggml_codecs.main(["--rows", "8", "--cols", "512", "--formats", "q4_k", "--cpu-check", "--min-seconds", "0",
+                           "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["shape"] == [8, 512]
+    for label in ("none", "importance"):
+        case = res["formats"]["q4_k"][label]
+        assert case["identical_blocks_vs_cpu_share"] == 1.0 and case["differing_blocks_vs_cpu"] == 0
+        if llama_cpp.available():
+            assert case["identical_blocks_share"] == 1.0
+    assert res["summary"]["q4_k/none"]["identical_blocks_vs_cpu_share"] == 1.0

@@ -72,26 +72,27 @@ def test_same_bytes_when_jax_runs_in_64_bit_mode():
             assert identical_blocks(got, arrays[f"{name}/{path}"], gg.get_format(name).type_size).all()
 
 
-def test_bytes_survive_an_inexact_division_and_square_root(monkeypatch):
-    # XLA:GPU lowers float32 division (and may lower square roots) to approximations up to 2 ulps off. Inject
-    # such errors into the plain operations and check that the encoders still write llama.cpp's bytes.
+def test_bytes_survive_an_inexact_float64_division_and_square_root(monkeypatch):
+    # div and sqrt round a float64 result to float32. A compiler may compute that float64 result a little off
+    # (e.g. a division by a constant as a multiplication by its reciprocal); a few float64 ulps cannot move a
+    # float32 rounding. Inject such errors and check that the encoders still write llama.cpp's bytes.
     from jgptq.ggml import common, iq4, k_quants, legacy
     from tests.ggml.helpers import identical_blocks, load_golden
 
-    def wobble(v, seed_bits):
-        k = (jax.lax.bitcast_convert_type(seed_bits, jnp.int32) >> 3) % 5 - 2  # -2..2 ulps, data dependent
+    def wobble(v, seed):
+        k = (jax.lax.bitcast_convert_type(seed, jnp.int64) >> 7) % 5 - 2  # -2..2 ulps, data dependent
         for step in (1, 2):
-            v = jnp.where(k >= step, jnp.nextafter(v, jnp.float32(jnp.inf)), v)
-            v = jnp.where(k <= -step, jnp.nextafter(v, jnp.float32(-jnp.inf)), v)
+            v = jnp.where(k >= step, jnp.nextafter(v, jnp.float64(jnp.inf)), v)
+            v = jnp.where(k <= -step, jnp.nextafter(v, jnp.float64(-jnp.inf)), v)
         return v
 
-    monkeypatch.setattr(common, "_plain_div", lambda a, b: wobble(a / b, a + b))
-    monkeypatch.setattr(common, "_plain_sqrt", lambda a: wobble(jnp.sqrt(a), a))
+    monkeypatch.setattr(common, "_div64", lambda a, b: wobble(a / b, a + b))
+    monkeypatch.setattr(common, "_sqrt64", lambda a: wobble(jnp.sqrt(a), a))
     arrays, _ = load_golden()
     x, imp = jnp.asarray(arrays["x"]), jnp.asarray(arrays["importance"][0])
     cases = [("q4_0", legacy.encode_q4_0, imp), ("q4_k", k_quants.encode_q4_k, imp),
              ("q3_k", k_quants.encode_q3_k, None), ("iq4_xs", iq4.encode_iq4_xs, imp)]
     for name, fn, w in cases:
-        got = np.asarray(jax.jit(fn)(x, w))  # a fresh trace sees the patched operations
+        got = np.asarray(jax.jit(lambda a, b, fn=fn: fn(a, b))(x, w))  # a new function: a fresh trace
         want = arrays[f"{name}/{'none' if w is None else 'imp0'}"]
         assert identical_blocks(got, want, gg.get_format(name).type_size).all(), name
