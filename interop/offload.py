@@ -282,6 +282,23 @@ def run_device(device, first_layer) -> torch.device:
     return dev
 
 
+def _check_not_shared(model, layers) -> None:
+    """Disk offload releases a layer's tensors: none may also belong to another layer or to the rest of the model."""
+    owner: dict = {}
+    for i, layer in enumerate(layers):
+        for name, _, _, _, t in _slots(layer):
+            if owner.setdefault(id(t), (i, name))[0] != i:
+                raise ValueError(f"offload='disk': {name} of decoder layer {i} is the same tensor as "
+                                 f"{owner[id(t)][1]} of layer {owner[id(t)][0]}; a layer file cannot hold it "
+                                 f"(use offload='cpu')")
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for name, module, _, _, t in _slots(model):
+        got = owner.get(id(t))
+        if got is not None and id(module) not in inside:
+            raise ValueError(f"offload='disk': {name} is the same tensor as {got[1]} of decoder layer {got[0]}; "
+                             f"releasing the layer would release it too (use offload='cpu')")
+
+
 # -- the pipeline's placement of layers -----------------------------------------------------------------------
 class Placement:
     """Moves the decoder layers of a run between their places per the offload mode, and books the bytes of
@@ -301,6 +318,7 @@ class Placement:
         self.mode, self.budget = cfg.offload, cfg.device_budget
         self.reload, self.keep = cfg.reload, cfg.keep_offload_files
         self.dir, self._made_dir, self._temp, self._prepared = cfg.offload_dir, False, False, False
+        self._written: set = set()                   # layers whose file this run wrote
         for i, layer in enumerate(layers):
             if is_released(layer):
                 raise ValueError(f"decoder layer {i} is released (its tensors are on the meta device); load it "
@@ -308,6 +326,8 @@ class Placement:
         in_layers: dict = {}
         for layer in layers:
             in_layers.update(unique_tensors(layer))
+        if self.mode == "disk":
+            _check_not_shared(model, layers)
         self.homes = [run_device(None, layer) for layer in layers]
         self.layer_bytes = [nbytes(unique_tensors(layer).values()) for layer in layers]
         other = [t for k, t in unique_tensors(model).items() if k not in in_layers]
@@ -403,8 +423,10 @@ class Placement:
                 self._made_dir = not Path(self.dir).exists()
                 Path(self.dir).mkdir(parents=True, exist_ok=True)
             self.memory["offload_dir"] = str(self.dir)
+            self._prepared = True
             for i, layer in enumerate(self.layers):
                 write_layer(layer, layer_file(self.dir, i))
+                self._written.add(i)
                 release_layer(layer)
         self._prepared = True
         self._book()
@@ -433,16 +455,15 @@ class Placement:
             self.on_device.discard(i)
 
     def finish(self, failed: bool) -> None:
-        """After the run (or a failure): with disk offload and ``reload``, every layer that has a file is read
-        back into host memory (after a failure too: the model is whole again, finished layers quantized) and the
-        files are removed unless kept; the peaks go to ``memory``."""
+        """After the run (or a failure): with disk offload and ``reload``, every layer whose file this run wrote
+        is read back into host memory (after a failure too: the model is whole again, finished layers quantized,
+        the layer being processed as it was before) and the files are removed unless kept; the peaks go to
+        ``memory``."""
         t0 = time.perf_counter()
         try:
             if self.mode == "disk" and self._prepared and self.reload:
-                for i, layer in enumerate(self.layers):
-                    path = layer_file(self.dir, i)
-                    if path.exists():
-                        read_layer(layer, path, "cpu")
+                for i in sorted(self._written):
+                    read_layer(self.layers[i], layer_file(self.dir, i), "cpu")
                 if not self.keep:
                     self._remove_files()
         finally:

@@ -121,7 +121,7 @@ def test_disk_offload_matches_an_unoffloaded_run_within_a_budget_smaller_than_th
     assert "offload" in result.report.stage_totals() and "peak parameters on the device" in str(result)
 
 
-def test_placement_moves_one_layer_and_keeps_or_removes_its_files(tmp_path):
+def test_placement_moves_one_layer_and_keeps_or_removes_its_files(tmp_path, monkeypatch):
     from jgptq.config import PipelineConfig
 
     class Toy(nn.Module):
@@ -152,6 +152,29 @@ def test_placement_moves_one_layer_and_keeps_or_removes_its_files(tmp_path):
         files = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
         assert files == ([f"offload-layer-{i:05d}.safetensors" for i in range(3)] if keep else [])
         assert place.memory["peak_parameters_on_device"] == own_bytes(model.embed) + own_bytes(layer)
+    # a failure half-way through writing the files: the written layers are loaded back, the model is whole
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    offload.write_layer(Block(), offload.layer_file(stale, 2))          # a file of another run: never read
+    write = offload.write_layer
+
+    def fail_on_second(layer, path):
+        if path.name.endswith("00001.safetensors"):
+            raise OSError("disk full")
+        write(layer, path)
+
+    monkeypatch.setattr(offload, "write_layer", fail_on_second)
+    place = offload.Placement(model, model.layers, PipelineConfig(offload="disk", offload_dir=stale),
+                              torch.device("cpu"))
+    with pytest.raises(OSError, match="disk full"):
+        place.prepare()
+    place.finish(failed=True)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    monkeypatch.undo()
+    shared = Toy()
+    shared.embed.weight = shared.layers[2].a.weight                     # a tensor inside and outside a layer
+    with pytest.raises(ValueError, match=r"embed.weight is the same tensor as a.weight of decoder layer 2"):
+        offload.Placement(shared, shared.layers, PipelineConfig(offload="disk"), torch.device("cpu"))
     with pytest.raises(ValueError, match="layer 0 is released"):
         offload.release_layer(model.layers[0])
         offload.Placement(model, model.layers, PipelineConfig(), torch.device("cpu"))
