@@ -337,6 +337,11 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                     ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
                                     resume_mod.report_part(report, i, prefix, marks), None if last else hidden)
         failed = False
+    except BaseException as exc:
+        note = placement.failure_note()
+        if note:
+            exc.add_note(note)
+        raise
     finally:
         model.train(was_training)
         _finish(placement, failed)

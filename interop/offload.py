@@ -471,8 +471,13 @@ class Placement:
                                finish_s=time.perf_counter() - t0)
             if self.device.type == "cuda":
                 self.memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(self.device))
-            if failed and self.mode == "disk" and self._prepared and (not self.reload or self.keep):
-                self.memory["note"] = f"layer files kept in {self.dir}"
+
+    def failure_note(self) -> str:
+        """What a failed run leaves where (for the error), or ``""`` when :meth:`finish` restores the model."""
+        if self.mode != "disk" or not self._prepared or self.reload:
+            return ""
+        return (f"the model's decoder layers are released (meta device); the files in {self.dir} hold them: "
+                f"interop.offload.reload_all(model, {str(self.dir)!r}) loads them")
 
     def _remove_files(self) -> None:
         for i in range(len(self.layers)):

@@ -152,6 +152,14 @@ def test_placement_moves_one_layer_and_keeps_or_removes_its_files(tmp_path, monk
         files = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
         assert files == ([f"offload-layer-{i:05d}.safetensors" for i in range(3)] if keep else [])
         assert place.memory["peak_parameters_on_device"] == own_bytes(model.embed) + own_bytes(layer)
+    # reload=False: a failed run leaves the layers released and says where their files are
+    place = offload.Placement(model, model.layers, PipelineConfig(offload="disk", offload_dir=tmp_path / "n",
+                                                                  reload=False), torch.device("cpu"))
+    place.prepare()
+    place.finish(failed=True)
+    assert all(offload.is_released(x) for x in model.layers) and "reload_all(model, " in place.failure_note()
+    offload.reload_all(model, tmp_path / "n")
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     # a failure half-way through writing the files: the written layers are loaded back, the model is whole
     stale = tmp_path / "stale"
     stale.mkdir()
