@@ -1,15 +1,18 @@
 """A whole Qwen3-30B-A3B-shaped MoE model through jgptq.quantize_moe on one GPU: wall time, stages, peak memory.
 
 The model: 48 decoder layers, 128 experts of width 768 (top-8), hidden 2048, 32 query / 4 key-value heads of 128,
-vocabulary 151,936, random bf16 weights built on the GPU from its config; the decoder layers are then moved to
-host memory, and the pipeline brings one layer at a time to the GPU (offload). Calibration: 128 sequences x 2048
+vocabulary 151,936, random bf16 weights built on the GPU from its config. With ``--offload cpu`` (default) the
+pipeline moves the decoder layers to host memory first and brings one at a time to the GPU; ``--offload disk``
+keeps each layer in a file (``--offload-dir``) and host memory holds one layer; ``--offload none`` keeps every
+layer on the GPU; ``--device-budget 40GB`` checks each layer's estimated need first. Calibration: 128 sequences x 2048
 random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetric, float16 scales), every expert
 of a layer in one vmapped solve per shape.
 
 Reported: total wall time and per-stage seconds summed over layers (capture, calibrate = forward + Hessian
 accumulation, solve, write-back, replay = forward with quantized weights; the Hessian share is estimated as
 calibrate - replay, since both run the same forward), the host<->GPU layer moves, the export of a
-compressed-tensors checkpoint when asked, and the peak GPU memory of torch and of JAX.
+compressed-tensors checkpoint when asked, the peak GPU memory of torch and of JAX, and the pipeline's memory record
+(``report.memory``: estimated need of the largest layer, peak parameter bytes on the GPU and in host memory).
 
 With ``--anchor-experts N`` (used with a reduced depth, e.g. ``--layers 4``) the textbook torch GPTQ loop that
 GPTQModel runs is applied to the same Hessians and original weights: every attention matrix and N experts of
@@ -93,7 +96,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 48; --small: 2)")
     p.add_argument("--anchor-experts", type=int, default=0, help="experts per layer the textbook loop runs on")
     p.add_argument("--export", action="store_true", help="also export a compressed-tensors checkpoint")
-    p.add_argument("--no-offload", action="store_true", help="keep every layer on the GPU")
+    p.add_argument("--offload", choices=("none", "cpu", "disk"), default="cpu",
+                   help="where layers wait: none (on the GPU), cpu (host memory), disk (files) (default: cpu)")
+    p.add_argument("--no-offload", dest="offload", action="store_const", const="none", help="--offload none")
+    p.add_argument("--offload-dir", help="folder of the layer files of --offload disk (default: a temporary one)")
+    p.add_argument("--device-budget", help="bytes the run may place on the GPU, e.g. 60GB (default: no check)")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jgptq  # noqa: F401  (sets the JAX allocator before JAX starts)
@@ -126,12 +133,7 @@ def main(argv=None):
             originals[(i, "down")] = layer.mlp.experts.down_proj.detach().float().cpu()
             for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 originals[(i, f"self_attn.{n}")] = getattr(layer.self_attn, n).weight.detach().float().cpu()
-    t0 = time.perf_counter()
-    if not args.no_offload:
-        for layer in model.model.layers:
-            layer.to("cpu")
-    sync()
-    out["offload_s"] = time.perf_counter() - t0
+    out["offload"] = args.offload
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -141,7 +143,8 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"],
-                                hessian_dtype="bfloat16", keep_hessians=bool(args.anchor_experts), progress=True)
+                                hessian_dtype="bfloat16", keep_hessians=bool(args.anchor_experts), progress=True,
+                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget)
     sync()
     total = time.perf_counter() - t0
     report = result.report
@@ -152,6 +155,9 @@ def main(argv=None):
         "hessian_estimate_s": max(0.0, stages.get("calibrate", 0.0) - stages.get("replay", 0.0)),
         "forward_estimate_s": 2 * stages.get("replay", 0.0),
         "other_s": total - sum(stages.values()),
+        "memory": report.memory,
+        "offload_s": report.stage_totals().get("offload", 0.0) + report.memory.get("prepare_s", 0.0)
+        + report.memory.get("finish_s", 0.0),
         "matrices": len(report.records),
         "fallbacks": sum(r.fallback for r in report.records),
         "rtn_experts": sum(r.method != "gptq" for r in report.records),

@@ -3,23 +3,22 @@
 Steps: check every input (model folder, calibration, output, that the exporter can hold the format) before any
 work; load the tokenizer and the model (safetensors only; remote code only when asked); cut the calibration text
 into windows; run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
-part-way continues from its last finished layer when started again with the same arguments); export; write the
+part-way continues from its last finished layer when started again with the same arguments; ``--offload disk``
+puts the layer files in its ``offload`` folder unless ``--offload-dir`` says otherwise); export; write the
 report (``<OUT>.report.json``) and a per-layer loss chart (``<OUT>.loss.svg``) beside the output; remove the
 working folder.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
 from pathlib import Path
 
 from jgptq.config import PipelineConfig, QuantConfig
+from jgptq.config import parse_size as config_size
 from jgptq.export.records import SCALE_DTYPES
-
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 
 class CommandError(ValueError):
@@ -28,13 +27,10 @@ class CommandError(ValueError):
 
 def parse_size(text: str) -> int:
     """Bytes of ``"5GB"``, ``"500MiB"``, ``"1000000"`` (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
-    m = SIZE.match(str(text))
-    if not m:
-        raise CommandError(f"size {text!r} is not a number of bytes such as 5GB or 500MiB")
-    unit = (m.group(2) or "").lower()
-    power = " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 0
-    base = 1024 if "i" in unit else 1000
-    return max(1, int(float(m.group(1)) * base**power))
+    try:
+        return max(1, config_size(text))
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def paths_for(out) -> dict:
@@ -97,7 +93,8 @@ def build_config(args, dtype: str) -> PipelineConfig:
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
     return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
                                 max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
-                                method=args.method, calibration=args.calibration, min_tokens=args.min_tokens)
+                                method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
+                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget)
 
 
 def log(msg: str, quiet: bool = False) -> None:
@@ -132,6 +129,8 @@ def run_quantize(args) -> int:
     files = paths_for(args.out)
     dtype = model_dtype(model_dir, args.dtype)
     cfg = build_config(args, dtype)
+    if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
+        cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
     max_shard = parse_size(args.max_shard_size)
 

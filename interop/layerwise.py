@@ -23,7 +23,10 @@ arguments after a crash, the run continues from its last finished layer (:mod:`i
 Options are fields of :class:`jgptq.config.PipelineConfig`, :class:`~jgptq.config.QuantConfig` (``bits``,
 ``group_size``, ``sym``, ``act_order``, ``damp``...) or :class:`~jgptq.config.MoEConfig` (``calibration=
 "all_experts"``, ``min_tokens``), given as a config object and/or keywords. ``device`` is where each layer runs
-(default: where the model's first layer is); the other layers stay where they are (e.g. on the CPU).
+(default: where the model's first layer is). Where the other layers wait is ``offload``: ``"none"`` (where they
+are), ``"cpu"`` (host memory) or ``"disk"`` (one file per layer; host memory holds one layer), and
+``device_budget="40GB"`` checks each layer's estimated need on the device before any work (:mod:`interop.offload`;
+peaks in ``result.report.memory``).
 
 Pipeline, per decoder layer:
 
@@ -59,6 +62,7 @@ import torch
 
 from interop import calib as calib_mod
 from interop import capture, models
+from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_jax
 from interop.report import ModuleRecord, QuantizeResult, Report
@@ -254,12 +258,14 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         and gives the same bytes as an uninterrupted run.
       resume: with ``checkpoint_dir``: continue a matching state (a mismatching one raises
         :class:`interop.resume.ResumeMismatchError`); False discards any state and starts over.
-      **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``...).
+      **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
+        ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
       A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report).
     Raises:
       ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
-        NaN/Inf activations; ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into;
+        NaN/Inf activations, a run over ``device_budget`` (:class:`interop.offload.DeviceBudgetError`);
+        ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into;
         ``interop.resume.ResumeMismatchError`` for a checkpoint of another run.
     """
     cfg = PipelineConfig.build(config, **kwargs)
@@ -276,7 +282,11 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size,
                                    max_length=cfg.max_length)
     n_tokens = calib_mod.token_count(batch_list)
-    run_device = torch.device(device) if device is not None else _param_device(layers[0])
+    run_device = offload_mod.run_device(device, layers[0])
+    placement = offload_mod.Placement(model, layers, cfg, run_device)
+    activations = offload_mod.hidden_bytes(model, batch_list) * 2  # a layer's inputs and outputs coexist
+    placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")
+                     for layer, t in zip(layers, targets)])      # before any work: over budget is an error
     report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
     said = set()
@@ -297,34 +307,61 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     has_experts = any(t.experts for t in targets)
     was_training = model.training
     model.eval()
+    failed = True
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if has_experts else _null()):
             if start < len(layers):
+                placement.prepare()
                 t0 = time.perf_counter()
                 hidden, layer_inputs = capture_inputs(model, layers, batch_list, run_device)
                 if start:
                     hidden = ckpt.load_hidden(start, run_device)
                 report.add_time(start, "capture", time.perf_counter() - t0)
+                placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run_device))
             bar = tqdm(range(start, len(layers)), desc="jgptq layers", disable=not cfg.progress, initial=start,
                        total=len(layers))
             for i in bar:
-                layer = layers[i]
-                home = _param_device(layer)
-                layer.to(run_device)
+                t0 = time.perf_counter()
+                layer = placement.fetch(i)
+                if placement.moves:
+                    report.add_time(i, "offload", time.perf_counter() - t0)
                 marks, before = (len(report.records), len(report.warnings)), set(result.weights)
                 last = i == len(layers) - 1
                 hidden = _process_layer(i, layer, targets[i], hidden, layer_inputs, batch_list, names, cfg,
-                                        prefix, report, result, devices, last=last)
-                layer.to(home)
+                                        prefix, report, result, devices, last=last, placement=placement)
+                t0 = time.perf_counter()
+                placement.put_back(i)
+                if placement.moves:
+                    report.add_time(i, "offload", time.perf_counter() - t0)
                 if ckpt is not None:
                     ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
                                     resume_mod.report_part(report, i, prefix, marks), None if last else hidden)
+        failed = False
+    except BaseException as exc:
+        note = placement.failure_note()
+        if note:
+            exc.add_note(note)
+        raise
     finally:
         model.train(was_training)
+        _finish(placement, failed)
+    report.memory = placement.memory
     for w in report.warnings:
         if w not in said:
             warnings.warn(w, stacklevel=2)
     return result
+
+
+def _finish(placement, failed: bool) -> None:
+    """Ends the placement; after a failure, an error of its own is only warned about (the run's error stands)."""
+    if not failed:
+        placement.finish(False)
+        return
+    try:
+        placement.finish(True)
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+        warnings.warn(f"after the run's error, the offloaded layers could not be loaded back ({exc}); "
+                      f"{placement.memory.get('offload_dir', '')} holds them", stacklevel=3)
 
 
 class _null:
@@ -336,7 +373,7 @@ class _null:
 
 
 def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cfg, prefix, report, result,
-                   devices, last):
+                   devices, last, placement=None):
     show = cfg.progress
     collector = capture.Collector(target.linears, target.experts,
                                   all_experts=cfg.moe.calibration == "all_experts", input_dtype=cfg.hessian_dtype)
@@ -348,6 +385,8 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
                 with collector.batch(batch.attention_mask.to(hidden[b].device)):
                     _run_layer(layer, hidden[b], rest, kw)
         jax.block_until_ready([s for s in collector.states.values()])
+        if placement is not None:
+            placement.note_hessians(collector.states)
     report.add_time(i, "calibrate", time.perf_counter() - t0)
 
     t0 = time.perf_counter()

@@ -22,6 +22,14 @@ from typing import Optional
 import numpy as np
 
 
+def format_bytes(n: float) -> str:
+    """``n`` bytes as text in decimal units (``"1.50 GB"``)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+
+
 @dataclasses.dataclass
 class ModuleRecord:
     """One solved matrix: a linear module, or one expert's fused gate/up or down projection."""
@@ -54,6 +62,7 @@ class Report:
     timings: dict = dataclasses.field(default_factory=dict)      # layer index -> {stage: seconds}
     skipped: list = dataclasses.field(default_factory=list)      # (name, reason) left in floating point
     warnings: list = dataclasses.field(default_factory=list)
+    memory: dict = dataclasses.field(default_factory=dict)      # bytes by place (see interop.offload)
 
     def add_time(self, layer: int, stage: str, seconds: float):
         stages = self.timings.setdefault(int(layer), {})
@@ -81,7 +90,7 @@ class Report:
             "model": self.model, "config": self.config, "calibration_tokens": self.calibration_tokens,
             "records": records, "coverage": self.coverage, "thresholds": self.thresholds,
             "timings": {str(k): v for k, v in self.timings.items()}, "stage_totals": self.stage_totals(),
-            "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings),
+            "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings), "memory": self.memory,
         }
 
     def to_json(self, path: Optional[str] = None, **kwargs) -> str:
@@ -138,9 +147,22 @@ class Report:
             out.append("seconds per stage: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
         if self.skipped:
             out.append(f"left in floating point: {len(self.skipped)} parameters")
+        if "peak_parameters_on_device" in self.memory:
+            out.append(self.memory_line())
         for w in self.warnings:
             out.append(f"warning: {w}")
         return "\n".join(out)
+
+    def memory_line(self) -> str:
+        """One line on memory: offload mode, peak parameter bytes on the device (and the budget), the largest
+        layer's estimated need, peak parameter bytes in host memory."""
+        m = self.memory
+        budget = f" of a {format_bytes(m['budget'])} budget" if m.get("budget") else ""
+        need = m.get("need", {})
+        return (f"memory (offload {m.get('offload')}, device {m.get('device')}): peak parameters on the device "
+                f"{format_bytes(m['peak_parameters_on_device'])}{budget}; largest need "
+                f"{format_bytes(need.get('total', 0))} (layer {need.get('layer')}); peak parameters in host memory "
+                f"{format_bytes(m['peak_host_parameters'])}")
 
     def __str__(self) -> str:
         return self.summary()

@@ -6,8 +6,8 @@
   header) and ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
 - ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
-  every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but
-  ``progress``).
+  every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of
+  ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget).
 
 Every file is written under a temporary name and renamed into place, ``state.json`` last, so a run killed at any
 moment leaves the state of its last finished layer. Started again with the same model, data and configuration,
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from interop.report import ModuleRecord
+from jgptq.config import RUN_FIELDS
 from jgptq.export.records import QuantizedWeight
 
 STATE = "state.json"
@@ -65,7 +66,8 @@ def fingerprint(model, batch_list, cfg, layer_count: int) -> dict:
         _hash_tensor(c, f"ids{b}", batch.input_ids)
         _hash_tensor(c, f"mask{b}", batch.attention_mask)
     settings = cfg.to_dict()
-    settings.pop("progress", None)
+    for name in RUN_FIELDS:  # progress bars and where layers live do not change the results
+        settings.pop(name, None)
     k = hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=16)
     return {"model": h.hexdigest(), "calibration": c.hexdigest(), "config": k.hexdigest(),
             "layers": int(layer_count), "jgptq": jgptq.__version__}

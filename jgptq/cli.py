@@ -24,6 +24,7 @@ EPILOG = """examples:
   jgptq quantize ./Qwen3-30B-A3B --calib calib.txt --out ./Qwen3-30B-A3B-w4g128
   jgptq quantize ./model --calib texts/ --out ./model-gptq --export gptq --bits 4 --group-size 128 --act-order desc
   jgptq quantize ./model --calib texts/ --out ./model-w3 --bits 3 --asym --calibration all_experts --device cuda
+  jgptq quantize ./big-model --calib calib.txt --out ./big-w4 --offload disk --device-budget 40GB
 """
 
 
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--exclude", action="append", metavar="REGEX",
                    help="leave modules matching this pattern (relative to a layer, e.g. 'self_attn') in floating "
                         "point; repeatable")
+    r.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+                   help="where decoder layers wait while another is processed: none (where they are loaded), cpu "
+                        "(host memory), disk (one file per layer: host memory holds one layer) (default: none)")
+    r.add_argument("--offload-dir", metavar="DIR",
+                   help="folder of the layer files of --offload disk (default: OUT.jgptq-work/offload)")
+    r.add_argument("--device-budget", metavar="SIZE",
+                   help="bytes the run may place on the device, e.g. 40GB: checked against each layer's estimated "
+                        "need before any work (default: no check)")
     r.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     r.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model folder's own Python code to run (off unless given)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -108,6 +110,30 @@ class QuantConfig:
 
 MOE_CALIBRATIONS = ("routed", "all_experts")
 METHODS = ("gptq", "rtn")
+OFFLOADS = ("none", "cpu", "disk")
+# Fields that say where and how visibly a run works, never what it computes: a resumed run may change them.
+RUN_FIELDS = ("progress", "offload", "offload_dir", "device_budget", "reload", "keep_offload_files")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text) -> int:
+    """Bytes of ``"40GB"``, ``"500MiB"``, ``"1000000"`` or an int (decimal units for kB/MB/GB/TB, binary for
+    KiB/MiB/GiB/TiB).
+
+    Raises:
+      ValueError: not a size.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"size {text!r} is not a number of bytes such as 40GB or 500MiB")
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"size {text!r} is not a number of bytes such as 40GB or 500MiB")
+    unit = (m.group(2) or "").lower()
+    power = " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 0
+    base = 1024 if "i" in unit else 1000
+    return int(float(m.group(1)) * base**power)
 
 
 def _fail_in(cls: str, field: str, value, rule: str):
@@ -161,6 +187,16 @@ class PipelineConfig:
         the output head are always excluded.
       keep_hessians: keep every finalized Hessian in the result (memory: C^2 floats each), for analysis.
       progress: show progress bars.
+      offload: where decoder layers live while others are processed (:mod:`interop.offload`): ``"none"`` (where
+        they are; a layer not on the run device visits it while processed), ``"cpu"`` (in host memory, one at a
+        time on the device) or ``"disk"`` (in one safetensors file per layer; host memory holds one layer).
+      offload_dir: the folder of the layer files (``offload="disk"``; default: a temporary folder).
+      device_budget: bytes (or ``"40GB"``) the run may place on the device; checked against an estimate of each
+        layer's need before any work (None: no check). The peak is recorded in ``report.memory``.
+      reload: ``offload="disk"``: load every layer back into host memory at the end. False leaves the returned
+        model's layers on the meta device, their quantized tensors in ``offload_dir``
+        (:func:`interop.offload.reload_all` loads them).
+      keep_offload_files: ``offload="disk"``: keep the layer files after reloading.
     """
 
     quant: QuantConfig = QuantConfig()
@@ -172,6 +208,11 @@ class PipelineConfig:
     exclude: tuple = ()
     keep_hessians: bool = False
     progress: bool = True
+    offload: str = "none"
+    offload_dir: "str | None" = None
+    device_budget: "int | None" = None
+    reload: bool = True
+    keep_offload_files: bool = False
 
     def __post_init__(self):
         if not isinstance(self.quant, QuantConfig):
@@ -192,13 +233,40 @@ class PipelineConfig:
         if isinstance(self.exclude, str):
             object.__setattr__(self, "exclude", (self.exclude,))
         object.__setattr__(self, "exclude", tuple(self.exclude))
-        import re
-
         for pattern in self.exclude:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
                 _fail_in("PipelineConfig", "exclude", pattern, f"not a regular expression ({exc})")
+        self._check_offload()
+
+    def _check_offload(self):
+        if self.offload not in OFFLOADS:
+            _fail_in("PipelineConfig", "offload", self.offload, f"must be one of {OFFLOADS}")
+        disk = self.offload == "disk"
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not os.fspath(self.offload_dir):
+                _fail_in("PipelineConfig", "offload_dir", self.offload_dir, "must be a folder path or None")
+            if not disk:
+                _fail_in("PipelineConfig", "offload_dir", self.offload_dir, "only used with offload='disk'")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        if self.device_budget is not None:
+            try:
+                budget = parse_size(self.device_budget)
+            except ValueError as exc:
+                _fail_in("PipelineConfig", "device_budget", self.device_budget, str(exc))
+            if budget < 1:
+                _fail_in("PipelineConfig", "device_budget", self.device_budget, "must be a positive size")
+            object.__setattr__(self, "device_budget", budget)
+        for name in ("reload", "keep_offload_files"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                _fail_in("PipelineConfig", name, value, "must be True or False")
+            if value != (name == "reload") and not disk:
+                _fail_in("PipelineConfig", name, value, "only used with offload='disk'")
+            if value != (name == "reload") and self.offload_dir is None:
+                _fail_in("PipelineConfig", name, value, "needs offload_dir: the layer files stay there after the "
+                         "run, so they must not go to a temporary folder")
 
     @classmethod
     def build(cls, config=None, **kwargs) -> "PipelineConfig":

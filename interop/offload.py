@@ -1,0 +1,491 @@
+"""Where decoder layers live during a layerwise run, what one layer needs on the device, and layer files.
+
+Modes (``PipelineConfig.offload``):
+
+- ``"none"``: layers stay where they are; a layer that is not on the run device visits it while it is processed
+  and goes back. Layers that start on the device stay there for the whole run.
+- ``"cpu"``: before the run, layers on the device are moved to host memory; each layer is moved to the device,
+  processed and moved back. The returned model's layers are in host memory.
+- ``"disk"``: before the run, every layer is written to ``offload-layer-<i>.safetensors`` in ``offload_dir`` and
+  released (its parameters and buffers become meta tensors: no storage); each layer is read from its file onto the
+  device when processed, its quantized tensors written back to the file, and released again. Host memory then
+  holds one layer plus the tensors outside the layers (embeddings, final norm, head), which stay where they are.
+  At the end the layers are read back into host memory, unless ``reload=False``: the returned model's layers then
+  stay on meta and ``load_layer(model, i, offload_dir)`` / ``reload_all(model, offload_dir)`` load them.
+
+A layer file holds each distinct tensor of the layer once (parameters and buffers, persistent or not), under its
+``state_dict`` name; tied tensors are listed as aliases in the header and are tied again on loading. Files are
+written under a temporary name and renamed into place.
+
+Device budget (``PipelineConfig.device_budget``): before any work, each layer's need on the device is estimated
+(:class:`LayerNeed`: its parameters, the calibration activations of a layer's input and output, the Hessian
+statistics of its targets, the solver's results and working set) and added to what stays on the device (tensors
+outside the layers; with ``"none"``, the layers that start there). Over the budget, the run stops with
+:class:`DeviceBudgetError` before anything is written. During the run the pipeline books every layer it places on
+the device; the peak, the measured activation and Hessian bytes, the peak of parameter bytes in host memory and
+(on CUDA) ``torch.cuda.max_memory_allocated`` go to ``report.memory``. Transient tensors of the forward (attention
+scores, expert intermediates) are not estimated: leave headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from interop import models
+from interop.report import format_bytes
+
+FILE = "offload-layer-{:05d}.safetensors"
+FORMAT = "jgptq-offload-layer"
+
+
+class DeviceBudgetError(ValueError):
+    """The run would place more bytes on the device than ``device_budget`` allows."""
+
+
+# -- tensors of a module ---------------------------------------------------------------------------------------
+def _slots(module: nn.Module):
+    """(state_dict-style name, owner, "_parameters" | "_buffers", attribute, tensor) for every tensor slot of
+    ``module``: a tensor tied to several places appears once per place."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, t in getattr(owner, kind).items():
+                if t is not None:
+                    yield (f"{prefix}.{attr}" if prefix else attr), owner, kind, attr, t
+
+
+def unique_tensors(module: nn.Module) -> dict:
+    """id -> tensor of every distinct parameter and buffer of ``module`` (tied tensors once)."""
+    return {id(t): t for _, _, _, _, t in _slots(module)}
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the storage of ``tensors`` (an iterable of tensors; meta tensors count as if materialized)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def host_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s distinct parameters and buffers that are in host memory (on the CPU) now."""
+    return nbytes(t for t in unique_tensors(model).values() if t.device.type == "cpu")
+
+
+def is_released(layer: nn.Module) -> bool:
+    """True when any tensor of ``layer`` is on the meta device (released by disk offload)."""
+    return any(t.device.type == "meta" for t in unique_tensors(layer).values())
+
+
+# -- layer files ------------------------------------------------------------------------------------------------
+def layer_file(directory, i: int) -> Path:
+    """The file of decoder layer ``i`` in ``directory``."""
+    return Path(directory) / FILE.format(i)
+
+
+def write_layer(layer: nn.Module, path) -> None:
+    """Writes every distinct tensor of ``layer`` to the safetensors file ``path`` (atomically: a temporary name,
+    then a rename), tied tensors once with their other names as aliases.
+
+    Raises:
+      ValueError: a tensor of the layer is released (on meta): there is nothing to write.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    first: dict = {}
+    aliases, tensors, storages = {}, {}, set()
+    for name, _, _, _, t in _slots(layer):
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: the tensor is released (meta device); load the layer before writing it")
+        data = t.detach()
+        storage = (str(data.device), data.untyped_storage().data_ptr())
+        if data.numel() and storage in storages:  # distinct tensors over one storage: stored apart
+            data = data.clone()
+        storages.add(storage)
+        tensors[name] = data.contiguous()
+    meta = {"format": FORMAT, "aliases": json.dumps(aliases)}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def release_layer(layer: nn.Module) -> None:
+    """Replaces every tensor of ``layer`` by a meta tensor of the same shape, dtype and kind (parameters stay
+    parameters, ties stay tied), so that its storage is freed once nothing else holds it."""
+    twins: dict = {}
+    for _, owner, kind, attr, t in list(_slots(layer)):
+        twin = twins.get(id(t))
+        if twin is None:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            twin = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+            twins[id(t)] = twin
+        getattr(owner, kind)[attr] = twin
+
+
+def read_layer(layer: nn.Module, path, device="cpu") -> None:
+    """Fills ``layer`` (released or not) with the tensors of the file ``path``, placed on ``device``.
+
+    Raises:
+      ValueError: the file is not a layer file, or its names, shapes or dtypes are not the layer's.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    slots = list(_slots(layer))
+    with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a jgptq layer file (format {meta.get('format')!r})")
+        aliases = json.loads(meta["aliases"])
+        stored = set(f.keys()) | set(aliases)
+        wanted = {name for name, *_ in slots}
+        if stored != wanted:
+            raise ValueError(f"{path}: holds other tensors than the layer (only in the file: "
+                             f"{sorted(stored - wanted)[:5]}, only in the layer: {sorted(wanted - stored)[:5]})")
+        made: dict = {}
+        for name, owner, kind, attr, t in slots:
+            key = aliases.get(name, name)
+            new = made.get(key)
+            if new is None:
+                data = f.get_tensor(key)
+                if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
+                    raise ValueError(f"{path}: {key} is {tuple(data.shape)} {data.dtype} in the file but "
+                                     f"{tuple(t.shape)} {t.dtype} in the layer")
+                new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                made[key] = new
+            getattr(owner, kind)[attr] = new
+
+
+def load_layer(model: nn.Module, i: int, offload_dir, device="cpu") -> nn.Module:
+    """Loads decoder layer ``i`` of ``model`` from its file in ``offload_dir`` onto ``device``; returns the layer.
+
+    The model returned by ``quantize_moe(..., offload="disk", reload=False, offload_dir=DIR)`` has its layers on
+    the meta device and their quantized tensors in DIR: ``load_layer(model, i, DIR)`` makes layer ``i`` usable.
+    """
+    layer = models.find_decoder_layers(model)[1][i]
+    read_layer(layer, layer_file(offload_dir, i), device)
+    return layer
+
+
+def reload_all(model: nn.Module, offload_dir, device="cpu") -> None:
+    """Loads every released decoder layer of ``model`` from ``offload_dir`` onto ``device`` (the whole model is
+    then usable, e.g. for export)."""
+    for i, layer in enumerate(models.find_decoder_layers(model)[1]):
+        if is_released(layer):
+            read_layer(layer, layer_file(offload_dir, i), device)
+
+
+# -- what a layer needs on the device --------------------------------------------------------------------------
+@dataclasses.dataclass
+class LayerNeed:
+    """Estimated device bytes of processing one decoder layer.
+
+    Attributes:
+      parameters: the layer's parameters and buffers.
+      activations: the calibration activations (the layer's inputs and outputs of every batch, coexisting during
+        the replay) and the captured per-layer arguments.
+      hessians: float32 Hessian sums of its targets (one per linear module: an upper bound, since modules that
+        share an input share one; one per expert and projection; one gate/up for ``all_experts``).
+      solve: the solver's float32 results for every target (kept until written back) and the working set of its
+        largest bucket (Hessian factor and float32 weights).
+    """
+
+    parameters: int
+    activations: int
+    hessians: int
+    solve: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.activations + self.hessians + self.solve
+
+
+def layer_need(layer, target, activations: int, all_experts: bool) -> LayerNeed:
+    """The :class:`LayerNeed` of ``layer`` with targets ``target`` (:func:`interop.models.layer_targets`) and
+    ``activations`` bytes of calibration activations."""
+    hess, results, buckets = 0, 0, {}
+    for m in target.linears.values():
+        r, c = m.out_features, m.in_features
+        hess += c * c
+        results += r * c
+        buckets[(False, r, c)] = buckets.get((False, r, c), 0) + 1
+    for _, lay in target.experts.values():
+        e, h, inter = lay.num_experts, lay.hidden, lay.inter
+        up_rows = 2 * inter if lay.gated else inter
+        hess += h * h * (1 if all_experts else e) + e * inter * inter
+        results += e * (up_rows * h + h * inter)
+        for key in ((True, up_rows, h), (True, h, inter)):
+            buckets[key] = buckets.get(key, 0) + e
+    work = max((n * c * (c + r) for (_, r, c), n in buckets.items()), default=0)
+    return LayerNeed(nbytes(unique_tensors(layer).values()), int(activations), 4 * hess, 4 * (results + work))
+
+
+def hidden_bytes(model, batch_list) -> int:
+    """Bytes of one layer's input activations over every calibration batch, from the batch shapes, the model's
+    hidden size and dtype (the inputs and the outputs of a layer coexist: twice this is on the device)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    if width is None and emb is not None:
+        width = emb.weight.shape[-1]
+    dtype = getattr(model, "dtype", None) or (emb.weight.dtype if emb is not None else torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(b.input_ids.numel() for b in batch_list) * int(width or 0) * size
+
+
+def captured_bytes(hidden, layer_inputs, device) -> int:
+    """Device bytes of the captured activations: the first layer's inputs (twice: a layer's outputs coexist with
+    its inputs) and every distinct tensor among the layers' captured arguments."""
+    seen: dict = {}
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            if _same_device(obj.device, device):
+                seen[id(obj)] = obj
+        elif isinstance(obj, (tuple, list)):
+            for o in obj:
+                walk(o)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                walk(o)
+
+    walk(layer_inputs)
+    return 2 * nbytes(hidden) + nbytes(seen.values())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index == b.index or a.type == "cpu")
+
+
+def run_device(device, first_layer) -> torch.device:
+    """The torch device layers run on: ``device``, or the first layer's; a CUDA device gets its index."""
+    if device is None:
+        tensors = list(unique_tensors(first_layer).values())
+        dev = tensors[0].device if tensors else torch.device("cpu")
+    else:
+        dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _check_not_shared(model, layers) -> None:
+    """Disk offload releases a layer's tensors: none may also belong to another layer or to the rest of the model."""
+    owner: dict = {}
+    for i, layer in enumerate(layers):
+        for name, _, _, _, t in _slots(layer):
+            if owner.setdefault(id(t), (i, name))[0] != i:
+                raise ValueError(f"offload='disk': {name} of decoder layer {i} is the same tensor as "
+                                 f"{owner[id(t)][1]} of layer {owner[id(t)][0]}; a layer file cannot hold it "
+                                 f"(use offload='cpu')")
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for name, module, _, _, t in _slots(model):
+        got = owner.get(id(t))
+        if got is not None and id(module) not in inside:
+            raise ValueError(f"offload='disk': {name} is the same tensor as {got[1]} of decoder layer {got[0]}; "
+                             f"releasing the layer would release it too (use offload='cpu')")
+
+
+# -- the pipeline's placement of layers -----------------------------------------------------------------------
+class Placement:
+    """Moves the decoder layers of a run between their places per the offload mode, and books the bytes of
+    parameters it places on the device (see the module docstring).
+
+    Args:
+      model: the transformers model; layers: its decoder layers (``ModuleList``).
+      cfg: the :class:`jgptq.config.PipelineConfig` (``offload``, ``offload_dir``, ``device_budget``, ``reload``,
+        ``keep_offload_files``).
+      device: the run device (:func:`run_device`).
+    Raises:
+      ValueError: a layer is already released (on meta).
+    """
+
+    def __init__(self, model, layers, cfg, device: torch.device):
+        self.model, self.layers, self.device = model, layers, device
+        self.mode, self.budget = cfg.offload, cfg.device_budget
+        self.reload, self.keep = cfg.reload, cfg.keep_offload_files
+        self.dir, self._made_dir, self._temp, self._prepared = cfg.offload_dir, False, False, False
+        self._written: set = set()                   # layers whose file this run wrote
+        for i, layer in enumerate(layers):
+            if is_released(layer):
+                raise ValueError(f"decoder layer {i} is released (its tensors are on the meta device); load it "
+                                 f"first with interop.offload.load_layer(model, {i}, offload_dir) or reload_all")
+        in_layers: dict = {}
+        for layer in layers:
+            in_layers.update(unique_tensors(layer))
+        if self.mode == "disk":
+            _check_not_shared(model, layers)
+        self.homes = [run_device(None, layer) for layer in layers]
+        self.layer_bytes = [nbytes(unique_tensors(layer).values()) for layer in layers]
+        other = [t for k, t in unique_tensors(model).items() if k not in in_layers]
+        self.other_on_device = nbytes(t for t in other if _same_device(t.device, device))
+        self.other_bytes = nbytes(other)
+        self.on_device = set()                       # layers booked on the device
+        if self.mode == "none":
+            self.on_device = {i for i, h in enumerate(self.homes) if _same_device(h, device)}
+        self.peak = self.peak_host = 0
+        self.needs: list = []
+        self.memory = {"offload": self.mode, "device": str(device), "budget": self.budget,
+                       "other_on_device": self.other_on_device, "other_bytes": self.other_bytes,
+                       "largest_layer": max(self.layer_bytes, default=0)}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @property
+    def moves(self) -> bool:
+        """Whether layers are moved by the offload mode (their moves are timed as the ``offload`` stage)."""
+        return self.mode != "none"
+
+    # -- the budget --------------------------------------------------------------------------------------------
+    def _estimate(self, i: int, offloaded: bool) -> int:
+        fixed = self.other_on_device
+        if not offloaded:
+            fixed += sum(self.layer_bytes[j] for j in self.on_device if j != i)
+        return fixed + self.needs[i].total
+
+    def check(self, needs: list) -> None:
+        """Records each layer's :class:`LayerNeed` and checks the largest total against the budget.
+
+        Raises:
+          DeviceBudgetError: over the budget (with the mode that would fit, if one does).
+        """
+        self.needs = list(needs)
+        offloaded = self.mode != "none"
+        worst = max(range(len(needs)), key=lambda i: self._estimate(i, offloaded))
+        need, total = needs[worst], self._estimate(worst, offloaded)
+        self.memory["need"] = {"layer": worst, **dataclasses.asdict(need), "other_on_device": total - need.total,
+                               "total": total}
+        if self.budget is None or total <= self.budget:
+            return
+        b, dev = format_bytes(self.budget), self.device
+        parts = (f"parameters {format_bytes(need.parameters)}, activations {format_bytes(need.activations)}, "
+                 f"Hessians {format_bytes(need.hessians)}, solve {format_bytes(need.solve)}")
+        if not offloaded and self.on_device and max(self._estimate(i, True) for i in range(len(needs))) <= \
+                self.budget:
+            kept = sum(self.layer_bytes[j] for j in self.on_device)
+            raise DeviceBudgetError(
+                f"offload='none' keeps {len(self.on_device)} decoder layers ({format_bytes(kept)}) on {dev}; with "
+                f"{format_bytes(self.other_on_device)} of other tensors there and layer {worst}'s work the run needs "
+                f"about {format_bytes(total)}, over device_budget {b}. Use offload='cpu' (layers in host memory, "
+                f"one at a time on the device) or offload='disk' (layers in files, for models larger than host "
+                f"memory); command line: --offload cpu|disk")
+        raise DeviceBudgetError(
+            f"decoder layer {worst} alone needs about {format_bytes(need.total)} on {dev} ({parts}), plus "
+            f"{format_bytes(total - need.total)} of tensors that stay there: {format_bytes(total)}, over "
+            f"device_budget {b}. Offloading other layers cannot lower this; fewer calibration tokens (samples x "
+            f"length) shrink the activations, moving the embeddings and head off the device frees theirs, or "
+            f"raise the budget")
+
+    def check_activations(self, measured: int) -> None:
+        """Re-checks the budget with the activation bytes measured after the capture."""
+        self.memory["activations_measured"] = int(measured)
+        if self.needs:
+            self.check([dataclasses.replace(n, activations=int(measured)) for n in self.needs])
+
+    def note_hessians(self, states: dict) -> None:
+        """Books the measured bytes of one layer's Hessian statistics (jax pytrees)."""
+        import jax
+
+        size = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(list(states.values())))
+        self.memory["hessians_measured"] = max(self.memory.get("hessians_measured", 0), int(size))
+
+    def _book(self):
+        on = self.other_on_device + sum(self.layer_bytes[j] for j in self.on_device)
+        self.peak = max(self.peak, on)
+        self.peak_host = max(self.peak_host, host_bytes(self.model))
+
+    # -- moves ---------------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Puts every layer in its place for the run: host memory (``cpu``) or its file, released (``disk``)."""
+        t0 = time.perf_counter()
+        if self.mode == "cpu":
+            cpu = torch.device("cpu")
+            for i, layer in enumerate(self.layers):
+                layer.to(cpu)
+                self.homes[i] = cpu
+        elif self.mode == "disk":
+            if self.dir is None:
+                self.dir, self._temp = tempfile.mkdtemp(prefix="jgptq-offload-"), True
+            else:
+                self._made_dir = not Path(self.dir).exists()
+                Path(self.dir).mkdir(parents=True, exist_ok=True)
+            self.memory["offload_dir"] = str(self.dir)
+            self._prepared = True
+            for i, layer in enumerate(self.layers):
+                write_layer(layer, layer_file(self.dir, i))
+                self._written.add(i)
+                release_layer(layer)
+        self._prepared = True
+        self._book()
+        self.memory["prepare_s"] = time.perf_counter() - t0
+
+    def fetch(self, i: int) -> nn.Module:
+        """Places layer ``i`` on the device for processing; returns it."""
+        layer = self.layers[i]
+        if self.mode == "disk":
+            read_layer(layer, layer_file(self.dir, i), self.device)
+        else:
+            layer.to(self.device)
+        self.on_device.add(i)
+        self._book()
+        return layer
+
+    def put_back(self, i: int) -> None:
+        """Returns processed layer ``i`` to its place (its file: written, then released)."""
+        layer = self.layers[i]
+        if self.mode == "disk":
+            write_layer(layer, layer_file(self.dir, i))
+            release_layer(layer)
+        else:
+            layer.to(self.homes[i])
+        if self.mode != "none" or not _same_device(self.homes[i], self.device):
+            self.on_device.discard(i)
+
+    def finish(self, failed: bool) -> None:
+        """After the run (or a failure): with disk offload and ``reload``, every layer whose file this run wrote
+        is read back into host memory (after a failure too: the model is whole again, finished layers quantized,
+        the layer being processed as it was before) and the files are removed unless kept; the peaks go to
+        ``memory``."""
+        t0 = time.perf_counter()
+        try:
+            if self.mode == "disk" and self._prepared and self.reload:
+                for i in sorted(self._written):
+                    read_layer(self.layers[i], layer_file(self.dir, i), "cpu")
+                if not self.keep:
+                    self._remove_files()
+        finally:
+            self.memory.update(peak_parameters_on_device=self.peak, peak_host_parameters=self.peak_host,
+                               finish_s=time.perf_counter() - t0)
+            if self.device.type == "cuda":
+                self.memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(self.device))
+
+    def failure_note(self) -> str:
+        """What a failed run leaves where (for the error), or ``""`` when :meth:`finish` restores the model."""
+        if self.mode != "disk" or not self._prepared or self.reload:
+            return ""
+        return (f"the model's decoder layers are released (meta device); the files in {self.dir} hold them: "
+                f"interop.offload.reload_all(model, {str(self.dir)!r}) loads them")
+
+    def _remove_files(self) -> None:
+        for i in range(len(self.layers)):
+            layer_file(self.dir, i).unlink(missing_ok=True)
+        if self._temp:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self._made_dir:
+            try:
+                Path(self.dir).rmdir()
+            except OSError:  # something else was put there: it stays
+                pass
