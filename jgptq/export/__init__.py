@@ -19,8 +19,8 @@ Example (one dense model, every Linear quantized with the same config)::
 from jgptq.export.compressed_tensors import export_compressed_tensors
 from jgptq.export.gptq_v1 import export_gptq_v1
 from jgptq.export.packing import pack_int32, packed_length, unpack_int32
-from jgptq.export.records import QuantizedWeight, expert_entries
+from jgptq.export.records import GGMLWeight, QuantizedWeight, expert_entries
 from jgptq.export.shards import write_checkpoint
 
-__all__ = ["QuantizedWeight", "expert_entries", "export_gptq_v1", "export_compressed_tensors", "write_checkpoint",
+__all__ = ["QuantizedWeight", "GGMLWeight", "expert_entries", "export_gptq_v1", "export_compressed_tensors", "write_checkpoint",
            "pack_int32", "unpack_int32", "packed_length"]

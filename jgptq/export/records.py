@@ -194,11 +194,88 @@ class QuantizedWeight:
                 f"method={self.method!r})")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GGMLWeight:
+    """GGML blocks of a weight (..., R, C) = (..., out_features, in_features), as llama.cpp stores them.
+
+    Every output row is ``C // block_size`` consecutive blocks of the format; the bytes are exactly what the
+    solver chose (re-encoding the decoded weight would not reproduce them), so :meth:`dequantize` gives back the
+    weight the model was left with, bit for bit.
+
+    Attributes:
+      payload: uint8 (..., R, C // block_size, type_size).
+      format: the GGML format name (``"q4_k"``, ``"iq2_xxs"``, ...; see :func:`jgptq.ggml.get_format`).
+      method: ``"gptq"``, ``"rtn"`` (plain encoding with importance: a baseline, or an expert with too few
+        calibration tokens) or ``"mixed"``; informational.
+      transposed: the checkpoint stores this tensor as (..., in, out); the payload is always (..., out, in).
+    """
+
+    payload: np.ndarray
+    format: str
+    method: str = "gptq"
+    transposed: bool = False
+
+    def __post_init__(self):
+        from jgptq.ggml.registry import get_format
+
+        fmt = get_format(self.format)  # raises on an unknown name
+        object.__setattr__(self, "format", fmt.name)
+        if self.method not in METHODS:
+            raise ValueError(f"GGMLWeight method: {self.method!r} is not one of {METHODS}")
+        object.__setattr__(self, "transposed", bool(self.transposed))
+        payload = np.asarray(self.payload)
+        if payload.dtype != np.uint8:
+            raise ValueError(f"GGMLWeight payload: must be uint8 bytes, got {payload.dtype}")
+        if payload.ndim < 3 or payload.shape[-1] != fmt.type_size:
+            raise ValueError(f"GGMLWeight payload: expected (..., rows, blocks, {fmt.type_size}) for {fmt.name}, "
+                             f"got shape {payload.shape}")
+        payload = payload.copy()
+        payload.flags.writeable = False
+        object.__setattr__(self, "payload", payload)
+
+    @property
+    def block_size(self) -> int:
+        from jgptq.ggml.registry import get_format
+
+        return get_format(self.format).block_size
+
+    @property
+    def shape(self) -> tuple:
+        """The weight's shape (..., out_features, in_features)."""
+        return self.payload.shape[:-2] + (self.payload.shape[-2] * self.block_size,)
+
+    def row_bytes(self) -> np.ndarray:
+        """uint8 (..., R, C // block_size * type_size): each row's blocks back to back (llama.cpp's row layout)."""
+        return self.payload.reshape(self.payload.shape[:-2] + (-1,))
+
+    def dequantize(self) -> np.ndarray:
+        """float32 (..., R, C), decoded exactly as llama.cpp's ``dequantize_row_*``."""
+        from jgptq.ggml.api import decode
+
+        return np.asarray(decode(self.row_bytes(), self.format))
+
+    def __getitem__(self, index) -> "GGMLWeight":
+        """One entry of the leading (expert) axes, e.g. ``stack[e]``."""
+        if self.payload.ndim == 3:
+            raise IndexError("GGMLWeight: a single matrix has no leading axis to index (use .rows for rows)")
+        return dataclasses.replace(self, payload=self.payload[index])
+
+    def rows(self, start: int, stop: int) -> "GGMLWeight":
+        """Output rows ``start:stop`` (e.g. the gate or the up half of a fused gate_up projection)."""
+        rows = self.payload.shape[-3]
+        if not 0 <= start < stop <= rows:
+            raise ValueError(f"GGMLWeight.rows: [{start}, {stop}) is not a row range of {rows} rows")
+        return dataclasses.replace(self, payload=self.payload[..., start:stop, :, :])
+
+    def __repr__(self) -> str:
+        return f"GGMLWeight(shape={self.shape}, format={self.format!r}, method={self.method!r})"
+
+
 def expert_entries(stack: QuantizedWeight, templates: str | Sequence[str], *, start: int = 0):
     """Per-expert (name, record) pairs of a fused expert stack, as per-expert checkpoints name them.
 
     Args:
-      stack: a record with a leading expert axis, shapes (E, R, C).
+      stack: a record (:class:`QuantizedWeight` or :class:`GGMLWeight`) with a leading expert axis, (E, R, C).
       templates: a name with an ``{expert}`` field, e.g. ``"model.layers.3.mlp.experts.{expert}.down_proj"``; or
         several, which split the rows evenly in order, e.g. the fused gate_up stack (E, 2I, H) of the default
         layout with ``["...experts.{expert}.gate_proj", "...experts.{expert}.up_proj"]``.
@@ -206,7 +283,7 @@ def expert_entries(stack: QuantizedWeight, templates: str | Sequence[str], *, st
     Yields:
       (name, QuantizedWeight (R / len(templates), C)) for every expert and template.
     """
-    if stack.codes.ndim != 3:
+    if len(stack.shape) != 3:
         raise ValueError(f"expert_entries: expected a stack of shape (experts, out, in), got {stack.shape}")
     names = [templates] if isinstance(templates, str) else list(templates)
     if not names or any("{expert}" not in t for t in names):
