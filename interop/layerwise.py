@@ -357,7 +357,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                 if ckpt is not None:
                     ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
                                     resume_mod.report_part(report, i, prefix, marks), None if last else hidden,
-                                    imatrix=ggml_plan.layer_entries(result.imatrix, prefix, i, targets[i]))
+                                    ggml_plan.layer_entries(result.imatrix, prefix, i, targets[i]))
         failed = False
     except BaseException as exc:
         note = placement.failure_note()
