@@ -228,3 +228,14 @@ def test_q4_k_m_preset_follows_llama_cpp():
     # explicit rules come first
     cfg = PipelineConfig.build(None, mix="q4_k_m", formats=((r"v_proj$", "iq4_xs"),))
     assert mixes.format_for(cfg, "self_attn.v_proj", 0, 8, 4) == "iq4_xs"
+
+
+def test_k_format_on_256_wide_model():
+    """q4_k (256-column blocks) through the pipeline: q/k/v/o share one shape, so one linear solve per layer."""
+    model = build("qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, num_attention_heads=4,
+                  num_key_value_heads=4, num_hidden_layers=1)
+    result = jgptq.quantize_moe(model, CALIB, format="q4_k", **OPTS)
+    assert_payloads_are_the_model(model, result)
+    rec = result.weights["model.layers.0.mlp.experts.3.gate_proj.weight"]
+    assert rec.format == "q4_k" and rec.payload.shape == (256, 1, 144)
+    assert {r.method for r in result.report.records} == {"gptq"}
