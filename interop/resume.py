@@ -3,7 +3,8 @@
 ``quantize_moe(model, calib, checkpoint_dir="out.work")`` keeps in that folder, after each finished layer:
 
 - ``layer-<i>.safetensors``: the layer's quantized records (codes, scales, zeros, g_idx and grid facts in the
-  header; GGML payload bytes and their format) and its importance statistic (imatrix entries), and ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
+  header; GGML payload bytes and their format) and its importance statistic (imatrix entries), and
+  ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
 - ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
   every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of

@@ -111,6 +111,10 @@ def ggml_encoder(format_name: str):
     return encode
 
 
+def _device(x):
+    return next(iter(x.devices()))
+
+
 def _encode_bucket(group, weights, importance, format_name: str):
     """Plain GGML encodes of a bucket: (payload (N, R, nb, ts), dequantized (N, R, C)); experts spread over the
     devices, linear modules encoded on the device that holds them."""
@@ -205,6 +209,13 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
             # the solver checks shapes and finiteness; a NaN/Inf Hessian means NaN/Inf calibration activations
             res = solve_bucket(weights, hess, quant, name=f"{names} ({shape[1]}x{shape[2]})", devices=devices,
                                importance=importance)
+            if fmt and any(low):
+                # under-calibrated matrices get exactly the plain encode (an identity Hessian is not quite that for
+                # formats whose importance weighting looks at the whole row: q4_0, q4_1, q5_0, q5_1)
+                plain, _ = _encode_bucket(group, weights, importance, fmt)
+                mask = jnp.asarray(low)[:, None, None, None]
+                res = res._replace(payload=jnp.where(mask, jax.device_put(plain, _device(res.payload)),
+                                                     res.payload))
         if fmt:  # the written-back weight is the decode of the kept bytes, exactly as GGMLWeight.dequantize
             from jgptq.ggml.api import decode
 

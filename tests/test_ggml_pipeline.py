@@ -19,6 +19,7 @@ from tests.tiny_models import build, token_ids
 CALIB = token_ids(8, 32, seed=1)
 OPTS = dict(batch_size=8, progress=False)
 RULES = ((r"v_proj$", "q8_0"), (r"experts\.down_proj$", "q8_0"))
+GPTQ = dict(format="q4_0", formats=RULES, min_tokens=60)   # some experts see fewer tokens: plain encodes
 _RUNS: dict = {}
 
 
@@ -28,7 +29,7 @@ def checkpoint_tensors(model):
     return revert_weight_conversion(model, {k: v.detach() for k, v in model.state_dict().items()})
 
 
-def run(family, calls=None, **kw):
+def run(family, **kw):
     key = (family, tuple(sorted((k, str(v)) for k, v in kw.items())))
     if key not in _RUNS:
         ref = build(family)
@@ -49,8 +50,7 @@ def assert_payloads_are_the_model(model, result):
 
 
 def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkeypatch):
-    _RUNS.pop(("qwen3_moe", tuple(sorted((k, str(v)) for k, v in dict(format="q4_0", formats=RULES).items()))),
-              None)  # this test counts the solve calls of the run
+    _RUNS.pop(("qwen3_moe", tuple(sorted((k, str(v)) for k, v in GPTQ.items()))), None)  # counts this run's calls
     calls = []
     original = solve_mod.solve_bucket
 
@@ -60,14 +60,28 @@ def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkey
         return original(weights, hessians, config, **kw)
 
     monkeypatch.setattr(solve_mod, "solve_bucket", counting)
-    ref, model, result = run("qwen3_moe", format="q4_0", formats=RULES)
+    ref, model, result = run("qwen3_moe", **GPTQ)
     assert_payloads_are_the_model(model, result)
     cfg = model.config
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     for key, rec in result.weights.items():
         want = "q8_0" if key.endswith(("v_proj.weight", "down_proj.weight")) else "q4_0"
         assert rec.format == want, key
-        assert rec.method == "gptq"
+    # experts under the token threshold: exactly the plain encode of the float weight, reported with the reason
+    low = [r for r in result.report.records if r.method == "rtn"]
+    assert low and all(r.reason.endswith("< 60") and r.tokens < 60 for r in low)
+    assert {r.method for r in result.report.records if r.tokens >= 60} == {"gptq"}
+    assert any("fewer than 60 calibration tokens" in w and "plain q4_0 encode" in w for w in result.report.warnings)
+    params = dict(ref.named_parameters())
+    for r in low:
+        pname, e_idx = r.name[:-1].split("[")
+        e_idx = int(e_idx)
+        fmt = r.format
+        w = params[pname].detach().numpy()[e_idx]
+        want = np.asarray(encode(w, fmt, result.imatrix[pname].values()[e_idx]))
+        got = np.concatenate([result.weights[k].row_bytes() for k in result.param_keys[pname]
+                              if f"experts.{e_idx}." in k])
+        np.testing.assert_array_equal(got, want, err_msg=r.name)
     # per layer: the 8 experts' gate/up in one call, their down in one call; linear buckets by shape and format
     per_layer = sorted(calls[: len(calls) // 2])
     assert sorted(calls[len(calls) // 2:]) == per_layer
@@ -116,7 +130,7 @@ def test_rtn_is_the_plain_encode_with_the_imatrix_importance():
 
 
 def test_resume_keeps_the_payload_bytes(tmp_path, monkeypatch):
-    _, model, ref_result = run("qwen3_moe", format="q4_0", formats=RULES)
+    _, model, ref_result = run("qwen3_moe", **GPTQ)
     again = build("qwen3_moe")
     original = resume.Checkpoint.save_layer
 
@@ -130,10 +144,10 @@ def test_resume_keeps_the_payload_bytes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(resume.Checkpoint, "save_layer", save_layer)
     with pytest.raises(Stop):
-        jgptq.quantize_moe(again, CALIB, format="q4_0", formats=RULES, checkpoint_dir=tmp_path, **OPTS)
+        jgptq.quantize_moe(again, CALIB, checkpoint_dir=tmp_path, **GPTQ, **OPTS)
     monkeypatch.setattr(resume.Checkpoint, "save_layer", original)
     again = build("qwen3_moe")
-    out = jgptq.quantize_moe(again, CALIB, format="q4_0", formats=RULES, checkpoint_dir=tmp_path, **OPTS)
+    out = jgptq.quantize_moe(again, CALIB, checkpoint_dir=tmp_path, **GPTQ, **OPTS)
     assert set(out.weights) == set(ref_result.weights)
     for k, rec in ref_result.weights.items():
         assert np.array_equal(out.weights[k].payload, rec.payload) and out.weights[k].format == rec.format, k
@@ -164,8 +178,7 @@ def test_block_size_is_checked_before_any_work_and_fallback_is_reported():
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight: 64 input columns are not a "
                                          r"multiple of the q4_k block size 256"):
         jgptq.quantize_moe(model, CALIB, format="q4_k", **OPTS)
-    _, targets = layerwise.models.find_decoder_layers(model)[0], [
-        layerwise.models.layer_targets(layer) for layer in layerwise.models.find_decoder_layers(model)[1]]
+    targets = [layerwise.models.layer_targets(layer) for layer in layerwise.models.find_decoder_layers(model)[1]]
     cfg = PipelineConfig.build(None, format="q4_k", block_fallback="llama.cpp")
     formats, notes = ggml_plan.choose_formats("model.layers", targets, cfg)
     assert set(formats.values()) == {"q5_0"} and len(notes) == len(formats)
@@ -229,13 +242,3 @@ def test_q4_k_m_preset_follows_llama_cpp():
     cfg = PipelineConfig.build(None, mix="q4_k_m", formats=((r"v_proj$", "iq4_xs"),))
     assert mixes.format_for(cfg, "self_attn.v_proj", 0, 8, 4) == "iq4_xs"
 
-
-def test_k_format_on_256_wide_model():
-    """q4_k (256-column blocks) through the pipeline: q/k/v/o share one shape, so one linear solve per layer."""
-    model = build("qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, num_attention_heads=4,
-                  num_key_value_heads=4, num_hidden_layers=1)
-    result = jgptq.quantize_moe(model, CALIB, format="q4_k", **OPTS)
-    assert_payloads_are_the_model(model, result)
-    rec = result.weights["model.layers.0.mlp.experts.3.gate_proj.weight"]
-    assert rec.format == "q4_k" and rec.payload.shape == (256, 1, 144)
-    assert {r.method for r in result.report.records} == {"gptq"}

@@ -121,7 +121,8 @@ def test_write_then_gguf_reader_sees_llama_cpp_layout(tmp_path):
     assert "general.architecture" not in fields
     ds = fields["imatrix.datasets"]
     assert [bytes(ds.parts[i]).decode() for i in ds.data] == ["calib.txt"]
-    assert int(fields["imatrix.chunk_count"].parts[-1][0]) == 7 and int(fields["imatrix.chunk_size"].parts[-1][0]) == 512
+    assert int(fields["imatrix.chunk_count"].parts[-1][0]) == 7
+    assert int(fields["imatrix.chunk_size"].parts[-1][0]) == 512
     tensors = {t.name: t for t in reader.tensors}
     assert set(tensors) == {f"{n}{s}" for n in entries for s in (".in_sum2", ".counts")}
     for name, e in entries.items():
