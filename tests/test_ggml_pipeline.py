@@ -242,3 +242,25 @@ def test_q4_k_m_preset_follows_llama_cpp():
     cfg = PipelineConfig.build(None, mix="q4_k_m", formats=((r"v_proj$", "iq4_xs"),))
     assert mixes.format_for(cfg, "self_attn.v_proj", 0, 8, 4) == "iq4_xs"
 
+
+
+def test_rtn_equals_llama_cpp_quantize_chunk_with_the_imatrix():
+    """The plain-encode path against llama.cpp's own C encoder, fed the imatrix values per expert slice as
+    llama-quantize does (skipped without llama.cpp's library)."""
+    from benchmarks.anchors import llama_cpp
+
+    if not llama_cpp.available():
+        pytest.skip("llama.cpp's libggml-base is not available")
+    ref, _, result = run("qwen3_moe", format="q4_0", method="rtn")
+    params = dict(ref.named_parameters())
+    type_id = get_format("q4_0").type_id
+    for param, entry in result.imatrix.items():
+        w = params[param].detach().float().numpy()
+        stack = w[None] if w.ndim == 2 else w
+        values = entry.values()
+        for e in range(stack.shape[0]):
+            want = llama_cpp.quantize(stack[e], type_id, values[e])
+            keys = result.param_keys[param] if w.ndim == 2 else [k for k in result.param_keys[param]
+                                                                 if f"experts.{e}." in k]
+            got = np.concatenate([result.weights[k].row_bytes() for k in keys])
+            np.testing.assert_array_equal(got, want, err_msg=f"{param}[{e}]")
