@@ -264,3 +264,23 @@ def test_rtn_equals_llama_cpp_quantize_chunk_with_the_imatrix():
                                                                  if f"experts.{e}." in k]
             got = np.concatenate([result.weights[k].row_bytes() for k in keys])
             np.testing.assert_array_equal(got, want, err_msg=f"{param}[{e}]")
+
+
+def test_importance_choices():
+    from jgptq.imatrix import ImatrixEntry
+
+    rng = np.random.default_rng(0)
+    entry = ImatrixEntry(rng.random((3, 8), dtype=np.float32), np.array([4, 0, 2], np.float32))
+    h = rng.random((3, 8, 8)).astype(np.float32)
+    imatrix = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0"), entry, h, [4, 0, 2], 3)
+    np.testing.assert_array_equal(imatrix, entry.values())
+    assert imatrix[1].tolist() == [1.0] * 8                       # no token: llama-quantize's 1.0
+    hess = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
+                                   [4, 0, 2], 3)
+    np.testing.assert_array_equal(hess[[0, 2]], np.diagonal(h, axis1=1, axis2=2)[[0, 2]])
+    assert hess[1].tolist() == [1.0] * 8
+    shared = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
+                                     ImatrixEntry(entry.sums[:1], entry.counts[:1]), h[0], [4, 4], 2)
+    np.testing.assert_array_equal(shared, np.stack([np.diagonal(h[0])] * 2))
+    assert ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
+                                   [4, 0, 2], 3) is None
