@@ -139,6 +139,11 @@ class Report:
                         f"{(max(losses) if losses else float('nan')):>11.4g} {secs:>8.2f}")
         out = ["jgptq report" + (f" for {self.model}" if self.model else "")
                + f" ({self.calibration_tokens} calibration tokens)", *rows]
+        formats: dict = {}
+        for r in self.records:
+            formats[r.format] = formats.get(r.format, 0) + 1
+        if set(formats) - {"int"}:
+            out.append("formats (matrices): " + ", ".join(f"{f} {n}" for f, n in sorted(formats.items())))
         if self.coverage:
             out += ["expert coverage:", self.coverage_table()]
             low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}

@@ -90,6 +90,7 @@ def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkey
     formats = {r.name.split(".", 3)[-1].split("[")[0]: r.format for r in result.report.records}
     assert formats["self_attn.v_proj"] == "q8_0" and formats["self_attn.q_proj"] == "q4_0"
     assert formats["mlp.experts.down_proj"] == "q8_0" and formats["mlp.experts.gate_up_proj"] == "q4_0"
+    assert "formats (matrices): q4_0 22, q8_0 18" in result.report.summary()   # per layer: 3 + 8, 1 + 8
 
 
 def test_mixtral_payloads_decode_to_the_model():
