@@ -89,6 +89,9 @@ def _assemble(model, result, params: dict) -> dict:
             raise ValueError(f"{param}: checkpoint keys {missing[:4]} are missing from result.weights")
         used.update(keys)
         full = params[param]
+        if len(full) < 2:
+            raise ValueError(f"{param}: a {len(full)}-D tensor (a norm or bias) stays in floating point in llama.cpp; "
+                             f"leave it out of the result")
         if len(keys) == 1 and tuple(weights[keys[0]].shape) == full:
             out[param] = weights[keys[0]]
         else:
