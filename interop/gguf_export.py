@@ -5,6 +5,8 @@
   reads for the architecture. Norms and routers stay float32; embeddings and the output head stay in
   ``float_type`` unless the result holds records for them.
 - :func:`gguf_names`: model parameter name -> GGUF tensor names (:mod:`interop.gguf_arch`).
+- :func:`export_imatrix`: an importance statistic keyed by parameter name, written as a llama.cpp imatrix file
+  under the GGUF tensor names (``llama-quantize --imatrix``).
 
 Example::
 
@@ -29,7 +31,7 @@ from interop.gguf_arch import (ARCHITECTURES, UnsupportedGGUFModel, arch_of, ggu
 from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
 from jgptq.export.records import GGMLWeight
 
-__all__ = ["export_gguf", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
+__all__ = ["export_gguf", "export_imatrix", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
 
 QUANTIZATION_VERSION = 2
 # GGML format -> llama.cpp file type (``general.file_type``, informative): K formats as their "_M" mixes.
@@ -255,3 +257,43 @@ def _block_hint(shape: tuple, rec: GGMLWeight) -> str:
         return (f"; its rows of {shape[-1]} values are not a multiple of the {rec.format} block "
                 f"({rec.block_size}), so this format cannot hold it")
     return ""
+
+
+def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0,
+                   overwrite: bool = False):
+    """Writes ``imatrix`` (model parameter name -> :class:`jgptq.imatrix.ImatrixEntry`) as a GGUF imatrix file
+    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry).
+
+    Args:
+      model: the transformers model of a supported family (the names of :func:`gguf_names`).
+      imatrix: parameter name (``state_dict`` naming) -> entry with ``sums`` float32 (E, in_features) and
+        ``counts`` float32 (E,) (E = 1 for a dense weight), e.g. ``result.imatrix`` of a GGML run.
+      path, datasets, chunk_count, chunk_size, overwrite: passed to :func:`jgptq.imatrix.write_imatrix`.
+    Returns:
+      The path written.
+    Raises:
+      ValueError: a name that is not a parameter of the model, a parameter with no GGUF tensor, or an entry whose
+        shape does not match its parameter (experts x input columns).
+    """
+    from jgptq.imatrix import ImatrixEntry, write_imatrix
+
+    spec = arch_of(model)
+    plan = targets(model, spec)
+    state = model.state_dict()
+    entries = {}
+    for param, entry in imatrix.items():
+        if param not in plan:
+            raise ValueError(f"imatrix entry {param!r} is not a parameter of {type(model).__name__}")
+        shape = _shape(model, param, state[param])
+        if len(shape) < 2 or any(t.role in ("norm", "router") for t in plan[param]):
+            raise ValueError(f"imatrix entry {param!r}: llama.cpp quantizes no norm or router; leave it out")
+        sums = np.asarray(entry[0], np.float32)
+        sums = sums[None] if sums.ndim == 1 else sums
+        experts = shape[0] if len(shape) == 3 else 1
+        if sums.shape != (experts, shape[-1]):
+            raise ValueError(f"imatrix entry {param!r}: sums {sums.shape} do not match the parameter {shape} "
+                             f"(expected ({experts}, {shape[-1]}))")
+        for t in plan[param]:
+            entries[t.name] = ImatrixEntry(sums, np.asarray(entry[1], np.float32).reshape(-1))
+    return write_imatrix(path, entries, datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size,
+                         overwrite=overwrite)
