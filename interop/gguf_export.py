@@ -28,6 +28,7 @@ import torch
 from interop import models
 from interop.gguf_arch import (ARCHITECTURES, UnsupportedGGUFModel, arch_of, gguf_names, metadata, qk_row_order,
                                rope_freqs, targets)
+from interop.gguf_vocab import vocab_metadata
 from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
 from jgptq.export.records import GGMLWeight
 
@@ -170,8 +171,9 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         (per-expert, e.g. ``...experts.3.w1.weight``) that ``param_keys`` (parameter -> keys) groups.
       out: the file to write (an existing folder: ``model.gguf`` inside it).
       overwrite: replace an existing file.
-      tokenizer: must be None: the file gets ``tokenizer.ggml.model = "none"`` and ``vocab_size`` dummy tokens
-        (llama.cpp is fed token ids directly).
+      tokenizer: a transformers fast tokenizer with a byte-level BPE vocabulary whose pre-tokenizer llama.cpp
+        implements (GPT-2, Qwen2, Llama 3; see :mod:`interop.gguf_vocab`), or None: the file then gets
+        ``tokenizer.ggml.model = "none"`` and ``vocab_size`` dummy tokens (llama.cpp is fed token ids directly).
       float_type: ``"f32"``, ``"f16"`` or ``"bf16"`` for every 2-D weight without a record (norms and routers
         are always f32).
       file_type: ``general.file_type`` (a llama.cpp LLAMA_FTYPE value); default: from the records' dominant
@@ -180,18 +182,16 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
       The path written.
     Raises:
       UnsupportedGGUFModel: an unsupported family or setting (the message lists the supported families).
-      NotImplementedError: a tokenizer was given (vocabularies are not written yet).
+      NotImplementedError: a tokenizer llama.cpp would tokenize differently (SentencePiece, other patterns...).
       ValueError: a record of the wrong type, shape or format (rows not a multiple of its block), a record for a
         norm or router, or keys that belong to no parameter. FileExistsError: ``out`` exists, no ``overwrite``.
     """
     if float_type not in FLOAT_TYPES:
         raise ValueError(f"float_type {float_type!r} is not one of {FLOAT_TYPES}")
-    if tokenizer is not None:
-        raise NotImplementedError(
-            "export_gguf writes no tokenizer vocabulary yet (a wrong vocabulary would silently change every "
-            "prompt); pass tokenizer=None for a GGUF fed with token ids, or add the vocabulary with llama.cpp's "
-            "gguf-py tools")
     spec = arch_of(model)
+    vocab = {gguf.Keys.Tokenizer.MODEL: "none"}
+    if tokenizer is not None:
+        vocab = vocab_metadata(tokenizer, int(model.config.vocab_size))
     path = _output_path(out)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
@@ -236,7 +236,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     meta.update(metadata(model, spec))
     meta[gguf.Keys.General.FILE_TYPE] = int(file_type if file_type is not None else _file_type(formats, float_type))
     meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
-    meta[gguf.Keys.Tokenizer.MODEL] = "none"
+    meta.update(vocab)
     return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
 
 
