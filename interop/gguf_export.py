@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from pathlib import Path
@@ -153,9 +154,22 @@ def _stack(param: str, full: tuple, places: list, keys: list, weights: dict) -> 
     return GGMLWeight(payload, first.format, method=methods.pop() if len(methods) == 1 else "mixed")
 
 
+def _payload_rows(rec: GGMLWeight, t) -> np.ndarray:
+    """The blocks of the rows a GGUF tensor takes from a record, permuted for llama.cpp's RoPE where needed."""
+    data = rec.payload if t.rows is None else rec.payload[..., t.rows, :, :]
+    return data[qk_row_order(t.heads, data.shape[-3])] if t.heads else data
+
+
+def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
+    """float32 rows of a parameter a GGUF tensor takes (nn.Linear orientation, RoPE-permuted where needed)."""
+    value = _linear_view(model, param, tensor)
+    data = value if t.rows is None else value[..., t.rows, :]
+    return np.ascontiguousarray(data[qk_row_order(t.heads, data.shape[-2])] if t.heads else data)
+
+
 def _output_path(out) -> Path:
     path = Path(os.fspath(out))
-    return path / "model.gguf" if path.is_dir() else path
+    return path if path.suffix.lower() == ".gguf" and not path.is_dir() else path / "model.gguf"
 
 
 def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False, tokenizer=None,
@@ -169,7 +183,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         ``weights`` (name -> :class:`jgptq.export.GGMLWeight` in nn.Linear (..., out, in) orientation) keyed by
         model parameter name (a fused expert stack (E, 2I, H) under its parameter), or by checkpoint keys
         (per-expert, e.g. ``...experts.3.w1.weight``) that ``param_keys`` (parameter -> keys) groups.
-      out: the file to write (an existing folder: ``model.gguf`` inside it).
+      out: the file to write when it ends in ``.gguf``; otherwise a folder (created when missing) that gets
+        ``model.gguf``.
       overwrite: replace an existing file.
       tokenizer: a transformers fast tokenizer with a byte-level BPE vocabulary whose pre-tokenizer llama.cpp
         implements (GPT-2, Qwen2, Llama 3; see :mod:`interop.gguf_vocab`), or None: the file then gets
@@ -212,23 +227,16 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     if freqs is not None:
         tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs, "f32"))
     for param, entries in plan.items():
-        if not entries:
-            continue
-        rec = records.get(param)
-        value = None if rec is not None else _linear_view(model, param, state[param])
+        rec, full = records.get(param), params[param]
         for t in entries:
+            shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
             if rec is not None:
-                data = rec.payload if t.rows is None else rec.payload[..., t.rows, :, :]
-                if t.heads:
-                    data = data[qk_row_order(t.heads, data.shape[-3])]
-                tensors.append(GGUFTensor(t.name, data, rec.format))
-                formats[rec.format] += data.size
+                tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
+                formats[rec.format] += int(np.prod(shape))
                 continue
-            data = value if t.rows is None else value[..., t.rows, :]
-            if t.heads:
-                data = data[qk_row_order(t.heads, data.shape[-2])]
-            kind = "f32" if t.role in ("norm", "router") or data.ndim == 1 else float_type
-            tensors.append(GGUFTensor(t.name, np.ascontiguousarray(data), kind))
+            kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
+            tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,
+                                      shape))
     if spec.output_required and not any(t.name == "output.weight" for t in tensors):
         raise UnsupportedGGUFModel(f"{type(model).__name__}: llama.cpp's {spec.name} needs an output head")
 

@@ -11,6 +11,10 @@ Tensors are :class:`GGUFTensor` entries:
   :class:`jgptq.export.GGMLWeight`, written with its GGML type (``"q4_k"``, ``"iq2_xxs"``, ...). A stack of
   experts (n_expert, rows, blocks, type_size) becomes ne = {cols, rows, n_expert}.
 
+The data may be a loader (a function returning the array) with the tensor's shape declared: the header is written
+from the declared shapes and each loader is called when its tensor's bytes are written, so a model larger than
+memory in float32 is written one tensor at a time.
+
 Example::
 
     from jgptq.export.gguf import GGUFTensor, write_gguf
@@ -50,51 +54,76 @@ class GGUFTensor:
     Attributes:
       name: the GGUF tensor name (``"blk.0.attn_q.weight"``).
       data: float array in numpy order, for ``type`` ``"f32"``/``"f16"``/``"bf16"``; otherwise uint8 GGML blocks
-        (..., rows, cols // block_size, type_size).
+        (..., rows, cols // block_size, type_size). Or a function of no arguments returning that array, called
+        when the tensor is written (one tensor in memory at a time); ``shape`` is then required.
       type: the GGML type to write (``"f32"``, ``"f16"``, ``"bf16"`` or a block format such as ``"q8_0"``).
+      shape: the logical shape in numpy order (``ne`` reversed), e.g. (rows, cols) for blocks of rows of ``cols``
+        values; taken from ``data`` when it is an array.
     """
 
     name: str
-    data: np.ndarray
+    data: Any
     type: str
+    shape: tuple = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"GGUF tensor name must be a non-empty string, got {self.name!r}")
-        qtype = ggml_type(self.type)
-        object.__setattr__(self, "type", qtype.name.lower())
-        data = np.asarray(self.data)
+        object.__setattr__(self, "type", ggml_type(self.type).name.lower())
+        if callable(self.data):
+            if self.shape is None:
+                raise ValueError(f"GGUF tensor {self.name}: a loader needs the tensor's shape")
+            shape = tuple(int(n) for n in self.shape)
+        else:
+            object.__setattr__(self, "data", self._check(self.data))
+            shape = self._logical(self.data.shape)
+            if self.shape is not None and tuple(self.shape) != shape:
+                raise ValueError(f"GGUF tensor {self.name}: data of shape {shape} given with shape {self.shape}")
+        if not 1 <= len(shape) <= 4 or min(shape) < 1:
+            raise ValueError(f"GGUF tensor {self.name}: shape {shape} must have 1 to 4 positive dimensions")
+        if self.type not in FLOAT_TYPES and shape[-1] % self.block_size:
+            raise ValueError(f"GGUF tensor {self.name}: rows of {shape[-1]} values are not a multiple of the "
+                             f"{self.type} block ({self.block_size})")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def block_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[ggml_type(self.type)][0]
+
+    def _logical(self, data_shape) -> tuple:
+        if self.type in FLOAT_TYPES:
+            return tuple(data_shape)
+        return tuple(data_shape[:-2]) + (data_shape[-2] * self.block_size,)
+
+    def _check(self, data) -> np.ndarray:
+        data = np.asarray(data)
         if self.type in FLOAT_TYPES:
             if data.dtype.kind != "f" and data.dtype.name != "bfloat16":
                 raise ValueError(f"GGUF tensor {self.name}: type {self.type} needs float data, got {data.dtype}")
-            if data.ndim < 1:
-                raise ValueError(f"GGUF tensor {self.name}: a scalar is not a tensor")
-        else:
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            if data.dtype != np.uint8:
-                raise ValueError(f"GGUF tensor {self.name}: type {self.type} needs uint8 block bytes, got {data.dtype}")
-            if data.ndim < 3 or data.shape[-1] != type_size:
-                raise ValueError(f"GGUF tensor {self.name}: {self.type} blocks must have shape "
-                                 f"(..., rows, cols/{block}, {type_size}), got {data.shape}")
-            if data.ndim > 5:
-                raise ValueError(f"GGUF tensor {self.name}: at most 4 dimensions, got {data.ndim - 1}")
-        if (data.ndim if self.type in FLOAT_TYPES else data.ndim - 1) > 4:
-            raise ValueError(f"GGUF tensor {self.name}: at most 4 dimensions, got shape {data.shape}")
-        object.__setattr__(self, "data", data)
+            return data
+        block, type_size = gguf.GGML_QUANT_SIZES[ggml_type(self.type)]
+        if data.dtype != np.uint8:
+            raise ValueError(f"GGUF tensor {self.name}: type {self.type} needs uint8 block bytes, got {data.dtype}")
+        if data.ndim < 3 or data.shape[-1] != type_size:
+            raise ValueError(f"GGUF tensor {self.name}: {self.type} blocks must have shape "
+                             f"(..., rows, cols/{block}, {type_size}), got {data.shape}")
+        return data
 
-    @property
-    def shape(self) -> tuple:
-        """The logical shape in numpy order (``ne`` reversed)."""
-        if self.type in FLOAT_TYPES:
-            return tuple(self.data.shape)
-        block, _ = gguf.GGML_QUANT_SIZES[ggml_type(self.type)]
-        return tuple(self.data.shape[:-2]) + (self.data.shape[-2] * block,)
+    def array(self) -> np.ndarray:
+        """The data (calling the loader), checked against ``type`` and ``shape``."""
+        data = self._check(self.data() if callable(self.data) else self.data)
+        if self._logical(data.shape) != self.shape:
+            raise ValueError(f"GGUF tensor {self.name}: loaded data of shape {self._logical(data.shape)} differs "
+                             f"from its declared shape {self.shape}")
+        return data
 
     def nbytes(self) -> int:
         """Bytes the tensor takes in the file."""
+        n = int(np.prod(self.shape))
         if self.type in FLOAT_TYPES:
-            return int(np.prod(self.shape)) * (4 if self.type == "f32" else 2)
-        return int(self.data.nbytes)
+            return n * (4 if self.type == "f32" else 2)
+        block, type_size = gguf.GGML_QUANT_SIZES[ggml_type(self.type)]
+        return n // block * type_size
 
 
 def _value_type(key: str, value) -> tuple:
@@ -180,10 +209,12 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
         for key, value, vtype, sub in typed:
             writer.add_key_value(key, value, vtype, sub_type=sub)
         for t in tensors:
-            _add_tensor(writer, t)
+            _add_info(writer, t)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(_file_bytes(t))
         writer.close()
         os.replace(tmp, path)
     except BaseException:
@@ -193,17 +224,25 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
     return path
 
 
-def _add_tensor(writer: gguf.GGUFWriter, t: GGUFTensor):
+def _add_info(writer: gguf.GGUFWriter, t: GGUFTensor):
+    if t.type in ("f32", "f16"):
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.type == "f32" else np.float16), t.nbytes())
+    else:
+        qtype = ggml_type(t.type)
+        byte_shape = gguf.quant_shape_to_byte_shape(t.shape, qtype)
+        writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes(), raw_dtype=qtype)
+
+
+def _file_bytes(t: GGUFTensor) -> np.ndarray:
+    """The tensor's bytes as the file holds them (float32/float16 arrays or uint8 rows)."""
+    data = t.array()
     if t.type == "f32":
-        writer.add_tensor(t.name, np.ascontiguousarray(t.data, dtype=np.float32))
-    elif t.type == "f16":
-        data = np.asarray(t.data, dtype=np.float32)
+        return np.ascontiguousarray(data, dtype=np.float32)
+    if t.type == "f16":
+        data = np.asarray(data, dtype=np.float32)
         if np.any(np.abs(data[np.isfinite(data)]) > 65504.0):
             raise ValueError(f"GGUF tensor {t.name}: values beyond the float16 range; write it as f32")
-        writer.add_tensor(t.name, np.ascontiguousarray(data.astype(np.float16)))
-    elif t.type == "bf16":
-        raw = gguf.quants.quantize(np.asarray(t.data, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
-        writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)  # byte shape -> logical shape
-    else:
-        raw = np.ascontiguousarray(t.data.reshape(t.data.shape[:-2] + (-1,)))
-        writer.add_tensor(t.name, raw, raw_dtype=ggml_type(t.type))  # byte shape -> logical shape
+        return np.ascontiguousarray(data.astype(np.float16))
+    if t.type == "bf16":
+        return gguf.quants.quantize(np.asarray(data, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
+    return np.ascontiguousarray(data.reshape(data.shape[:-2] + (-1,)))

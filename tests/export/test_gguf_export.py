@@ -179,3 +179,13 @@ def test_errors(tmp_path):
     with pytest.raises(FileExistsError):
         export_gguf(model, None, tmp_path / "x.gguf")
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_export_model_dispatch(tmp_path):
+    from interop.export import export_model
+
+    model, result = quantized("mixtral")
+    out = export_model(model, result, "gguf", tmp_path / "folder")
+    assert out == tmp_path / "folder" / "model.gguf"
+    direct = export_gguf(model, result, tmp_path / "direct.gguf")
+    assert out.read_bytes() == direct.read_bytes()

@@ -105,3 +105,29 @@ def test_errors(tmp_path, rng):
     with pytest.raises(ValueError, match="differs from arch"):
         write_gguf(tmp_path / "d.gguf", "llama", {"general.architecture": "qwen3moe"}, [])
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_loaders_are_called_when_written(tmp_path, rng):
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(4, 2, 34)
+    calls = []
+
+    def load(x):
+        def f():
+            calls.append(x.shape)
+            return x
+        return f
+
+    tensors = [GGUFTensor("w", load(w), "f16", shape=(4, 64)), GGUFTensor("q", load(blocks), "q8_0", shape=(4, 64))]
+    assert calls == []
+    _, t = _reader(write_gguf(tmp_path / "l.gguf", "llama", {}, tensors))
+    assert calls == [(4, 64), (4, 2, 34)]
+    assert np.array_equal(np.asarray(t["w"].data).reshape(4, 64), w.astype(np.float16))
+    assert np.array_equal(np.asarray(t["q"].data).reshape(-1), blocks.reshape(-1))
+    with pytest.raises(ValueError, match="needs the tensor's shape"):
+        GGUFTensor("w", load(w), "f32")
+    with pytest.raises(ValueError, match=r"rows of 48 values are not a multiple of the q4_k block \(256\)"):
+        GGUFTensor("w", load(w), "q4_k", shape=(4, 48))
+    with pytest.raises(ValueError, match="differs from its declared shape"):
+        write_gguf(tmp_path / "m.gguf", "llama", {}, [GGUFTensor("q", load(blocks), "q8_0", shape=(4, 96))])
+    assert not (tmp_path / "m.gguf").exists() and sorted(os.listdir(tmp_path)) == ["l.gguf"]
