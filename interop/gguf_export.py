@@ -33,7 +33,7 @@ from interop.gguf_vocab import vocab_metadata
 from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
 from jgptq.export.records import GGMLWeight
 
-__all__ = ["export_gguf", "export_imatrix", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
+__all__ = ["export_gguf", "export_imatrix", "check_exportable", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
 
 QUANTIZATION_VERSION = 2
 # GGML format -> llama.cpp file type (``general.file_type``, informative): K formats as their "_M" mixes.
@@ -152,6 +152,18 @@ def _stack(param: str, full: tuple, places: list, keys: list, weights: dict) -> 
         raise ValueError(f"{param}: the records of {sorted(keys)[:4]} do not cover every row")
     methods = {r.method for r in recs}
     return GGMLWeight(payload, first.format, method=methods.pop() if len(methods) == 1 else "mixed")
+
+
+def check_exportable(model, tokenizer=None) -> None:
+    """Refuses, before any quantization work, a model or tokenizer :func:`export_gguf` would refuse afterwards.
+
+    Raises:
+      UnsupportedGGUFModel: an unsupported family or setting; NotImplementedError: an unsupported tokenizer.
+    """
+    arch_of(model)
+    targets(model, arch_of(model))
+    if tokenizer is not None:
+        vocab_metadata(tokenizer, int(model.config.vocab_size))
 
 
 def _payload_rows(rec: GGMLWeight, t) -> np.ndarray:

@@ -4,7 +4,8 @@ llama.cpp does not run the tokenizer's own pre-tokenizer: it picks a built-in on
 (``tokenizer.ggml.pre``). A vocabulary is only written when the tokenizer's pre-tokenizer is exactly one that
 llama.cpp implements:
 
-- ``"gpt-2"``: ``ByteLevel(use_regex=True)`` (GPT-2's pattern);
+- ``"gpt-2"``: ``ByteLevel(use_regex=True)`` (GPT-2's pattern), or a pattern-less ``ByteLevel`` with no merges
+  (every byte its own token, however the text is split);
 - ``"qwen2"``: ``Split`` with Qwen2's pattern (digits one by one), then ``ByteLevel(use_regex=False)``;
 - ``"llama-bpe"``: ``Split`` with Llama 3's pattern (digits by up to three), then ``ByteLevel(use_regex=False)``;
   its BPE model must set ``ignore_merges`` (llama.cpp forces it for this pre-tokenizer).
@@ -41,9 +42,11 @@ def _pre_name(spec: dict) -> str:
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
-        if steps[0].get("add_prefix_space") or not steps[0].get("use_regex", True):
-            _unsupported("a ByteLevel pre-tokenizer with add_prefix_space or without its pattern")
-        return "gpt-2"
+        if steps[0].get("add_prefix_space"):
+            _unsupported("a ByteLevel pre-tokenizer with add_prefix_space")
+        if not steps[0].get("use_regex", True) and (spec.get("model") or {}).get("merges"):
+            _unsupported("a ByteLevel pre-tokenizer without a split pattern (and merges that span pieces)")
+        return "gpt-2"  # without merges every byte is its own token, whatever the split
     if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
             and not steps[1].get("add_prefix_space") and not steps[1].get("use_regex", True)):
         split = steps[0]
@@ -102,9 +105,16 @@ def vocab_metadata(tokenizer, vocab_size: int) -> dict:
         tokens[i] = text
         types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    if not merges:
+        # GGUF holds no empty arrays and llama.cpp requires the key: one merge of two 2-character pieces, which
+        # never forms when nothing else merges (every symbol stays a single character), so nothing changes.
+        if any(len(t) != 1 for t, i in vocab.items() if i not in special):
+            _unsupported("a BPE vocabulary without merges whose tokens are not single characters")
+        piece = 2 * min(t for t, i in vocab.items() if i not in special)
+        merges = [f"{piece} {piece}"]
 
     k = gguf.Keys.Tokenizer
-    meta = {k.MODEL: "gpt2", k.PRE: pre, k.LIST: tokens, k.TOKEN_TYPE: [int(t) for t in types], k.MERGES: merges if merges else ([], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)}
+    meta = {k.MODEL: "gpt2", k.PRE: pre, k.LIST: tokens, k.TOKEN_TYPE: [int(t) for t in types], k.MERGES: merges}
     for key, tid in ((k.BOS_ID, tokenizer.bos_token_id), (k.EOS_ID, tokenizer.eos_token_id),
                      (k.UNK_ID, tokenizer.unk_token_id), (k.PAD_ID, tokenizer.pad_token_id)):
         if tid is not None:

@@ -189,3 +189,14 @@ def test_export_model_dispatch(tmp_path):
     assert out == tmp_path / "folder" / "model.gguf"
     direct = export_gguf(model, result, tmp_path / "direct.gguf")
     assert out.read_bytes() == direct.read_bytes()
+
+
+def test_check_exportable():
+    from interop.demo import byte_tokenizer
+    from interop.gguf_export import check_exportable
+
+    check_exportable(build("qwen3_moe", vocab_size=256), byte_tokenizer())
+    with pytest.raises(UnsupportedGGUFModel, match="supported model types"):
+        check_exportable(build("deepseek_v3"))
+    with pytest.raises(NotImplementedError, match="not a fast"):
+        check_exportable(tiny("llama"), object())

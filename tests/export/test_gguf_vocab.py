@@ -98,10 +98,16 @@ def test_unsupported_tokenizers():
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "bytes"])
 def test_llama_cpp_tokenizes_like_transformers(pre, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
-    tok = trained(pre)
+    if pre == "bytes":  # the demo's tokenizer: one token per byte, no merges, no split pattern
+        from interop.demo import byte_tokenizer
+
+        tok = byte_tokenizer()
+        assert vocab_metadata(tok, 512)["tokenizer.ggml.pre"] == "gpt-2"
+    else:
+        tok = trained(pre)
     model = build("llama", vocab_size=512)
     path = export_gguf(model, None, tmp_path / "m.gguf", tokenizer=tok, float_type="f32")
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
