@@ -147,3 +147,33 @@ def test_quantized_export_runs_in_llama_cpp(family, fmt, tmp_path):
     print(f"{family} {fmt} vs torch with llama.cpp's activation rounding: {exact}/{len(IDS)} positions within "
           f"1e-4 of the std, worst {per_position.max():.3g}, median {np.median(per_position):.3g}")
     assert per_position[0] < 1e-4 and exact >= len(IDS) // 2
+
+
+@pytest.mark.parametrize("family,fmt,ftype", [("llama", "q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0"),
+                                              ("qwen3_moe", "q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0"),
+                                              ("qwen3_moe", "q4_k", "LLAMA_FTYPE_MOSTLY_Q4_K_M")])
+def test_llama_quantize_of_the_float_export_gives_the_same_bytes(family, fmt, ftype, tmp_path):
+    """llama.cpp's own quantizer, run on the f32 export (``pure``, embeddings and output kept f32), writes the very
+    tensors of the quantized export: same names, shapes, types and bytes (the float export is a faithful
+    quantizer input; the quantized export holds what llama.cpp would have made of it without GPTQ)."""
+    import ctypes
+
+    import gguf
+
+    f32 = export_gguf(tiny(family), None, tmp_path / "f32.gguf", float_type="f32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = 2
+    params.ftype = getattr(llama_cpp, ftype)
+    params.pure = True
+    params.output_tensor_type = params.token_embedding_type = int(gguf.GGMLQuantizationType.F32)
+    theirs = tmp_path / "theirs.gguf"
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(theirs).encode(), ctypes.byref(params)) == 0
+    model, result = _quantized(family, fmt)
+    ours = export_gguf(model, result, tmp_path / "ours.gguf", float_type="f32")
+    a = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert list(a[name].shape) == list(b[name].shape), name
+        assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
