@@ -216,6 +216,9 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
         for t in tensors:
             writer.write_tensor_data(_file_bytes(t))
         writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would have made it (mkstemp makes 0600)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -84,6 +84,9 @@ def test_overwrite_and_atomicity(tmp_path, rng):
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
     write_gguf(path, "llama", {}, [GGUFTensor("w", 2 * w, "f32")], overwrite=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
     _, t = _reader(path)
     assert np.array_equal(np.asarray(t["w"].data).reshape(2, 32), 2 * w)
 
