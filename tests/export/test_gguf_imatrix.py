@@ -47,3 +47,25 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="norm or router"):
         export_imatrix(model, {"model.layers.0.mlp.gate.weight": imatrix.ImatrixEntry(
             np.ones((1, 64), np.float32), np.ones(1, np.float32))}, tmp_path / "x.gguf")
+
+
+def test_entries_fit_the_model_tensors(tmp_path):
+    """Every entry names a tensor of the model's GGUF file, with one row of sums per expert of its input width
+    (what llama-quantize checks: size == ne0 * ne2)."""
+    from interop.gguf_export import export_gguf
+
+    model = build("mixtral")
+    sd = model.state_dict()
+    entries = {}
+    for name, p in sd.items():
+        if p.ndim < 2 or ".mlp.gate." in name or "embed" in name or "lm_head" in name:
+            continue
+        experts = p.shape[0] if p.ndim == 3 else 1
+        entries[name] = imatrix.ImatrixEntry(np.ones((experts, p.shape[-1]), np.float32), np.ones(experts, np.float32))
+    imx = gguf.GGUFReader(str(export_imatrix(model, entries, tmp_path / "i.gguf")))
+    weights = {t.name: t for t in gguf.GGUFReader(str(export_gguf(model, None, tmp_path / "m.gguf"))).tensors}
+    sums = {t.name[: -len(".in_sum2")]: t for t in imx.tensors if t.name.endswith(".in_sum2")}
+    assert len(sums) == len(entries) + 2  # gate_up gives two entries per layer
+    for name, t in sums.items():
+        ne = list(weights[name].shape) + [1]
+        assert list(t.shape) == [ne[0], ne[2]], name
