@@ -35,6 +35,8 @@ class Arch:
       output_required: llama.cpp loads ``output.weight`` unconditionally (tied embeddings are written twice).
       norm_topk: the top-k renormalisation llama.cpp hard-codes for the family (None: dense).
       expert_ff: config attribute of the expert width (None: the family writes none).
+      shared_ff: config attribute of the shared expert's width (None: no shared expert).
+      qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
     """
 
     model_type: str
@@ -43,6 +45,8 @@ class Arch:
     output_required: bool = False
     norm_topk: bool | None = None
     expert_ff: str | None = None
+    shared_ff: str | None = None
+    qkv_bias: bool = False
 
     @property
     def name(self) -> str:
@@ -55,7 +59,12 @@ ARCHITECTURES = {
     "qwen3_moe": Arch("qwen3_moe", gguf.MODEL_ARCH.QWEN3MOE, permute_qk=False, norm_topk=True,
                       expert_ff="moe_intermediate_size"),
     "olmoe": Arch("olmoe", gguf.MODEL_ARCH.OLMOE, permute_qk=False, output_required=True, norm_topk=False),
+    "qwen2_moe": Arch("qwen2_moe", gguf.MODEL_ARCH.QWEN2MOE, permute_qk=False, output_required=True, norm_topk=False,
+                      expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
+                      qkv_bias=True),
 }
+# Q/K/V output widths that llama.cpp's graph of these families hard-codes to the embedding width
+_Q_IS_EMBEDDING = {"olmoe", "qwen2_moe"}
 
 
 def _refuse(model, setting: str, why: str):
@@ -85,9 +94,11 @@ def arch_of(model) -> Arch:
         if given != spec.norm_topk:
             _refuse(model, f"norm_topk_prob={given}", f"llama.cpp's {spec.name} graph always uses "
                     f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
-    if mt == "qwen3_moe":
+    if mt in _Q_IS_EMBEDDING and head_dim(cfg) * cfg.num_attention_heads != cfg.hidden_size:
+        _refuse(model, f"head_dim {head_dim(cfg)}", f"llama.cpp's {spec.name} needs head_dim x heads == hidden_size")
+    if mt in ("qwen3_moe", "qwen2_moe"):
         if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
-            _refuse(model, "mlp_only_layers/decoder_sparse_step", "llama.cpp's qwen3moe has experts in every layer")
+            _refuse(model, "mlp_only_layers/decoder_sparse_step", f"llama.cpp's {spec.name} has experts in every layer")
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "sliding_window", None):
         _refuse(model, f"sliding_window={getattr(cfg, 'sliding_window', None)}",
                 f"llama.cpp's {spec.name} graph attends to the whole context")
@@ -165,6 +176,8 @@ def metadata(model, spec: Arch) -> dict:
         meta[key(k.EXPERT_USED_COUNT)] = int(cfg.num_experts_per_tok)
         if spec.expert_ff:
             meta[key(k.EXPERT_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.expert_ff))
+        if spec.shared_ff:
+            meta[key(k.EXPERT_SHARED_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.shared_ff))
     return meta
 
 
@@ -210,13 +223,24 @@ class Target:
       name: GGUF tensor name.
       rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all).
       heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
-      role: ``"norm"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
+      role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
+      flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
     """
 
     name: str
     rows: slice | None = None
     heads: int | None = None
     role: str = "weight"
+    flat: bool = False
+
+
+def _short(tensor: gguf.MODEL_TENSOR) -> str:
+    """The per-block part of a GGUF tensor name (``"attn_q"`` of ``"blk.{bid}.attn_q"``)."""
+    return gguf.TENSOR_NAMES[tensor].rpartition(".")[2]
+
+
+_QKV = {_short(t) for t in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K, gguf.MODEL_TENSOR.ATTN_V)}
+_ROUTERS = {_short(t) for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)}
 
 
 def _experts_module(model, param: str):
@@ -254,6 +278,8 @@ def targets(model, spec: Arch) -> dict:
                 _refuse(model, param, "an experts parameter this exporter does not know")
         elif param.endswith(".weight"):
             parts = [(param[: -len(".weight")], None)]
+        elif param.endswith(".bias") and spec.qkv_bias:
+            parts = [(param[: -len(".bias")], None)]
         else:
             _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
         entries = []
@@ -261,22 +287,29 @@ def targets(model, spec: Arch) -> dict:
             name = tmap.get_name(hf)
             if name is None:
                 _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
-            role = "weight"
-            if tensor.ndim == 1:
+            kind = name.rpartition(".")[2] if name.startswith("blk.") else name
+            suffix = ".bias" if param.endswith(".bias") else ".weight"
+            if suffix == ".bias" and kind not in _QKV:
+                _refuse(model, param, f"llama.cpp's {spec.name} loads no {kind} bias")
+            role, flat = "weight", False
+            if suffix == ".bias":
+                role = "bias"
+            elif tensor.ndim == 1:
                 role = "norm"
-            elif name.endswith(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].split(".")[-1]):
+            elif kind in _ROUTERS:
                 role = "router"
+                flat = kind == _short(gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP) and tensor.shape[0] == 1
             elif name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]:
                 role = "embedding"
             elif name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT]:
                 role = "output"
             heads = None
-            if spec.permute_qk and role == "weight":
-                if name.endswith("." + gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q].split(".")[-1]):
+            if spec.permute_qk and role in ("weight", "bias"):
+                if kind == _short(gguf.MODEL_TENSOR.ATTN_Q):
                     heads = int(cfg.num_attention_heads)
-                elif name.endswith("." + gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_K].split(".")[-1]):
+                elif kind == _short(gguf.MODEL_TENSOR.ATTN_K):
                     heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-            entries.append(Target(name + ".weight", rows, heads, role))
+            entries.append(Target(name + suffix, rows, heads, role, flat))
         if tied and entries and entries[0].role == "output" and not spec.output_required:
             entries = []  # llama.cpp falls back to token_embd
         out[param] = entries

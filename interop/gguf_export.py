@@ -176,7 +176,9 @@ def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
     """float32 rows of a parameter a GGUF tensor takes (nn.Linear orientation, RoPE-permuted where needed)."""
     value = _linear_view(model, param, tensor)
     data = value if t.rows is None else value[..., t.rows, :]
-    return np.ascontiguousarray(data[qk_row_order(t.heads, data.shape[-2])] if t.heads else data)
+    if t.heads:  # rows of a weight, entries of a bias
+        data = data[qk_row_order(t.heads, data.shape[-2] if data.ndim > 1 else data.shape[0])]
+    return np.ascontiguousarray(data.reshape(-1) if t.flat else data)
 
 
 def _output_path(out) -> Path:
@@ -190,7 +192,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
 
     Args:
       model: a transformers causal LM of a supported family (:data:`ARCHITECTURES`: llama, mixtral, qwen3_moe,
-        olmoe), holding the weights the records stand for (the exporter reads its unquantized tensors).
+        qwen2_moe, olmoe), holding the weights the records stand for (the exporter reads its unquantized tensors).
       result: None (every weight in ``float_type``), or an :class:`interop.report.QuantizeResult`-like object:
         ``weights`` (name -> :class:`jgptq.export.GGMLWeight` in nn.Linear (..., out, in) orientation) keyed by
         model parameter name (a fused expert stack (E, 2I, H) under its parameter), or by checkpoint keys
@@ -242,6 +244,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         rec, full = records.get(param), params[param]
         for t in entries:
             shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
+            shape = (int(np.prod(shape)),) if t.flat else shape
             if rec is not None:
                 tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
                 formats[rec.format] += int(np.prod(shape))

@@ -16,6 +16,8 @@ SIZES = {
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, head_dim=64),
     "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
     "olmoe": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=4),
+    "qwen2_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=256),
 }
 
 
@@ -26,7 +28,8 @@ def tiny(family: str, seed: int = 0):
 def is_target(name: str, param) -> bool:
     """The weights a GGML quantization run holds records for: 2-D/3-D weights but routers, norms, embeddings
     and the output head."""
-    return param.ndim >= 2 and ".mlp.gate." not in name and "embed" not in name and "lm_head" not in name
+    return (param.ndim >= 2 and ".mlp.gate." not in name and "shared_expert_gate" not in name and "embed" not in name
+            and "lm_head" not in name)
 
 
 def quantize_in_place(model, fmt: str) -> types.SimpleNamespace:

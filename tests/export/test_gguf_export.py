@@ -14,7 +14,7 @@ from jgptq.export.records import GGMLWeight, QuantizedWeight
 from tests.export.gguf_models import per_expert, quantize_in_place, tiny
 from tests.tiny_models import build
 
-CASES = {"llama": "q8_0", "qwen3_moe": "q4_k", "mixtral": "q8_0", "olmoe": "q8_0"}
+CASES = {"llama": "q8_0", "qwen3_moe": "q4_k", "mixtral": "q8_0", "olmoe": "q8_0", "qwen2_moe": "q8_0"}
 PERMUTED = {"llama", "mixtral"}  # llama.cpp's llama architecture: normal RoPE
 
 
@@ -71,6 +71,8 @@ def test_quantized_export_round_trip(family, tmp_path):
             heads = heads_of(model, gname) if family in PERMUTED else None
             if heads:
                 want_w = hf_permute(want_w, heads)
+            if gname.endswith("ffn_gate_inp_shexp.weight"):
+                want_w = want_w.reshape(-1)  # llama.cpp loads the shared expert's (1, n) gate as {n}
             assert list(tensor.shape) == list(want_w.shape[::-1]), gname
             if rec is None:
                 kind = gguf.GGMLQuantizationType.F32 if (w.ndim == 1 or "ffn_gate_inp" in gname) else \
@@ -149,7 +151,7 @@ def test_errors(tmp_path):
     model, result = quantized("llama")
     q = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(UnsupportedGGUFModel, match=r"supported model types: \['llama', 'mixtral', 'olmoe', "
-                                                   r"'qwen3_moe'\]"):
+                                                   r"'qwen2_moe', 'qwen3_moe'\]"):
         export_gguf(build("gpt_oss"), None, tmp_path / "x.gguf")
     with pytest.raises(UnsupportedGGUFModel, match="norm_topk_prob=False"):
         export_gguf(build("qwen3_moe", norm_topk_prob=False), None, tmp_path / "x.gguf")
