@@ -178,3 +178,19 @@ def test_llama_quantize_of_the_float_export_gives_the_same_bytes(family, fmt, ft
         assert a[name].tensor_type == b[name].tensor_type, name
         assert list(a[name].shape) == list(b[name].shape), name
         assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}], ids=["llama3", "linear"])
+def test_rope_scaling(rope, tmp_path):
+    """Scaled rotary embeddings (llama3's rope_freqs tensor, linear's scaling factor) match torch; the scaling
+    matters here (logits move by ~15% of their std without it)."""
+    from tests.tiny_models import build
+
+    model = build("llama", hidden_size=256, head_dim=64, rope_parameters=rope)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "r.gguf", float_type="f32"))
+    _, rel = agreement(got, torch_logits(model))
+    _, unscaled = agreement(got, torch_logits(build("llama", hidden_size=256, head_dim=64)))
+    assert rel < 1e-4 and unscaled > 0.05
