@@ -202,3 +202,15 @@ def test_check_exportable():
         check_exportable(build("deepseek_v3"))
     with pytest.raises(NotImplementedError, match="not a fast"):
         check_exportable(tiny("llama"), object())
+
+
+def test_bfloat16_model_keeps_its_bits(tmp_path):
+    model = build("qwen3_moe").to(torch.bfloat16)
+    _, t = read(export_gguf(model, None, tmp_path / "b.gguf", float_type="bf16"))
+    w = model.state_dict()["model.layers.0.mlp.experts.down_proj"]
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    tensor = t["blk.0.ffn_down_exps.weight"]
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.BF16
+    assert np.array_equal(np.asarray(tensor.data).view(np.uint16).reshape(bits.shape), bits)
+    norm = model.state_dict()["model.norm.weight"].float().numpy()
+    assert np.array_equal(np.asarray(t["output_norm.weight"].data), norm)  # norms stay f32 (exact)
