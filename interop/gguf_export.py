@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from interop import models
-from interop.gguf_arch import (ARCHITECTURES, UnsupportedGGUFModel, arch_of, gguf_names, metadata, qk_row_order,
-                               rope_freqs, targets)
+from interop.gguf_arch import (ARCHITECTURES, Target, UnsupportedGGUFModel, arch_of, gguf_names, metadata,
+                               qk_row_order, rope_freqs, targets)
 from interop.gguf_vocab import vocab_metadata
 from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
 from jgptq.export.records import GGMLWeight
@@ -235,6 +235,10 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         if any(t.role in ("norm", "router") for t in plan[param]):
             raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
                              f"the result")
+
+    for param in records:
+        if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
+            plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
 
     tensors, formats = [], Counter()
     freqs = rope_freqs(model.config)

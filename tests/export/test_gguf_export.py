@@ -142,6 +142,14 @@ def test_tied_embeddings(tmp_path):
     llama = build("llama", tie_word_embeddings=True)
     _, t = read(export_gguf(llama, None, tmp_path / "l.gguf"))
     assert "output.weight" not in t and "token_embd.weight" in t  # llama.cpp reuses token_embd
+    # a quantized head of a tied model is written as output.weight (the model's head is those values)
+    head = llama.state_dict()["lm_head.weight"].numpy()
+    payload = gguf.quants.quantize(head, gguf.GGMLQuantizationType.Q8_0).reshape(head.shape[0], -1, 34)
+    rec = GGMLWeight(payload, "q8_0")
+    _, t = read(export_gguf(llama, types.SimpleNamespace(weights={"lm_head.weight": rec}, param_keys={}),
+                            tmp_path / "h.gguf"))
+    assert t["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert np.array_equal(np.asarray(t["output.weight"].data).reshape(-1), payload.reshape(-1))
     olmoe = build("olmoe", num_key_value_heads=4, tie_word_embeddings=True)
     _, t = read(export_gguf(olmoe, None, tmp_path / "o.gguf", float_type="f32"))
     assert np.array_equal(np.asarray(t["output.weight"].data), np.asarray(t["token_embd.weight"].data))
