@@ -173,6 +173,13 @@ def run_quantize(args) -> int:
         str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
         trust_remote_code=args.trust_remote_code, local_files_only=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.export == "gguf":  # refuse what the GGUF exporter cannot write before the run, not after it
+        from interop.gguf_export import check_exportable
+
+        try:
+            check_exportable(model, tokenizer)
+        except NotImplementedError as exc:
+            raise CommandError(str(exc)) from exc
 
     from interop.export import export_model
     from interop.layerwise import quantize_moe
