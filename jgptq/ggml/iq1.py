@@ -106,6 +106,18 @@ def _levels_from_split(order, i1, i2):
     return jnp.take_along_axis(lsorted, inv, axis=-1)
 
 
+def _best_levels(scale, bp, skip, order, p1, p2):
+    """The levels of the best split, flipped to a positive scale: (skip, levels (mb, n), flipped, scale).
+
+    Blocks where no split was accepted are added to ``skip`` (their levels come from split 0, unused).
+    """
+    skip = skip | (bp < 0)
+    bp = jnp.maximum(bp, 0)
+    lev = _levels_from_split(order, p1[bp], p2[bp])
+    neg = scale < 0
+    return skip, jnp.where(neg[:, None], 2 - lev, lev), neg, jnp.where(neg, -scale, scale)
+
+
 def _grid_indices(lev, x, w, scale, vals, t):
     """Grid index per group of 8 (mb, ng): the level code's own point, or its nearest neighbour
     (min sum w * (scale * vals[l] - x)**2, first in list order) when off the grid; and whether all were on it.
@@ -173,12 +185,7 @@ def _encode_s_blocks(xb, qw):
         return out
 
     scale, bp, bk = _split_scan(candidates, 561, mb)
-    skip = skip | (bp < 0)
-    bp = jnp.maximum(bp, 0)
-    lev = _levels_from_split(order, p1[bp], p2[bp])
-    neg = scale < 0
-    lev = jnp.where(neg[:, None], 2 - lev, lev)
-    scale = jnp.where(neg, -scale, scale)
+    skip, lev, neg, scale = _best_levels(scale, bp, skip, order, p1, p2)
     minus = (bk == 1) != neg  # shift sign -1
     vals = jnp.broadcast_to(jnp.where(minus[:, None, None], jnp.asarray(X_M), jnp.asarray(X_P)), (mb, 4, 3))
     xg, wg = x.reshape(mb, 4, 8), weight.reshape(mb, 4, 8)
@@ -249,12 +256,7 @@ def _encode_m_blocks(xb, qw):
                 (qxm[0] + qxp[1], q2m[0] + q2p[1]), (qxm[0] + qxm[1], q2m[0] + q2m[1])]
 
     scale, bp, bk = _split_scan(candidates, 153, mb)
-    skip = skip | (bp < 0)
-    bp = jnp.maximum(bp, 0)
-    lev = _levels_from_split(order, p1[bp], p2[bp])
-    neg = scale < 0
-    lev = jnp.where(neg[:, None], 2 - lev, lev)
-    scale = jnp.where(neg, -scale, scale)
+    skip, lev, neg, scale = _best_levels(scale, bp, skip, order, p1, p2)
     bk = jnp.where(neg, 3 - bk, bk)
     minus = jnp.stack([bk >= 2, bk % 2 == 1], axis=-1)  # (mb, 2): group uses x_m
     vals = jnp.where(minus[..., None], jnp.asarray(X_M), jnp.asarray(X_P))  # (mb, 2, 3)
