@@ -41,7 +41,7 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 def _args(argv):
     p = common.parser("gguf_quality", DOC)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated GGML formats")
-    p.add_argument("--train-steps", type=int, default=None, help="training steps of the model (default: 500)")
+    p.add_argument("--train-steps", type=int, default=None, help="training steps of the model (default: 300)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the trained model is kept")
     p.add_argument("--work-dir", default=None, help="keep the GGUF files here (default: a temporary folder)")
     p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")

@@ -1,9 +1,12 @@
 """The benchmark's language model: a small Qwen3-MoE over bytes, trained here on the corpus's training split.
 
-Every weight row the quantizers see is a multiple of 256 long (GGML super-blocks): hidden 256, 4 query heads and 2
-key-value heads of 64 (q/o rows 256), expert width 256. The vocabulary is the 256 byte values. Training is plain
-next-byte cross entropy plus the model's own router load-balancing loss, AdamW with a linear warm-up and cosine decay,
-on random windows of the training split drawn from a seeded generator. The trained model is saved with
+Every weight row the quantizers see is several GGML super-blocks of 256 long, so that GPTQ has later blocks of a row
+to carry each block's error into: hidden 1024 (q/k/v and expert gate/up rows: 4 blocks), 8 query and 4 key-value
+heads of 128 (o rows: 4 blocks), 8 experts of width 512 (down rows: 2 blocks), top-2 routing, 2 decoder layers
+(32 M parameters). With rows of a single block GPTQ has nothing to compensate with and gives exactly the plain
+encoding. The vocabulary is the 256 byte values. Training is plain next-byte cross entropy plus the model's own
+router load-balancing loss, AdamW with a linear warm-up and cosine decay, on random windows of the training split
+drawn from a seeded generator. The trained model is saved with
 ``save_pretrained`` (safetensors) in ``<cache_dir>/lm-<key>``, the key hashing every hyperparameter and the corpus
 digest, so a rerun with the same settings loads it instead of training.
 """
@@ -20,11 +23,11 @@ import numpy as np
 
 from benchmarks.quality.corpus import VOCAB
 
-ARCH = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,
+ARCH = dict(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=1024,
             norm_topk_prob=True, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
             tie_word_embeddings=False, router_aux_loss_coef=0.01)
-TRAIN = dict(steps=500, batch=8, length=256, lr=3e-3, warmup=50, weight_decay=0.1, clip=1.0, seed=0)
+TRAIN = dict(steps=200, batch=8, length=256, lr=2e-3, warmup=40, weight_decay=0.1, clip=1.0, seed=0)
 
 
 def cache_key(arch: dict, train: dict, corpus_digest: str) -> str:
