@@ -1,12 +1,13 @@
 """Quality of GGML quantization: jgptq's GPTQ against llama.cpp's own quantizer with the same imatrix, as KL divergence.
 
-The model: a small Qwen3-MoE over bytes (4 layers, 8 experts, top-2, hidden 256, expert width 256; every quantized
-row a multiple of 256) trained here on Python's documentation prose (``pydoc_data.topics``), cached in
+The model: a small Qwen3-MoE over bytes (2 layers, 8 experts, top-2, hidden 1024, expert width 512: every quantized
+row 2-4 GGML super-blocks long) trained here on Python's documentation prose (``pydoc_data.topics``), cached in
 ``--cache-dir`` keyed by its settings (see :mod:`benchmarks.quality.corpus` and :mod:`benchmarks.quality.lm`).
 Train, calibration and held-out text are disjoint byte ranges of the corpus.
 
 Per format (``--formats``, default Q4_K, IQ4_XS, IQ3_XXS, IQ2_XXS, IQ1_S), starting each time from the float model:
-- jgptq: ``quantize_moe`` with the format (GPTQ; the encoders' importance is the run's imatrix statistic), exported
+- jgptq: ``quantize_moe`` with the format (GPTQ; the encoders' importance is the imatrix statistic the run collects
+  layer by layer, on the inputs each layer sees in that run), exported
   with ``export_gguf`` (token embedding and output head in F32, routers and norms in F32);
 - llama.cpp: ``llama_model_quantize`` of the float F32 GGUF (``pure``: every weight tensor at the format; token
   embedding and output head kept in F32), fed with the jgptq run's imatrix written as a GGUF imatrix file and read
@@ -45,12 +46,18 @@ def _args(argv):
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the trained model is kept")
     p.add_argument("--work-dir", default=None, help="keep the GGUF files here (default: a temporary folder)")
     p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
-    p.add_argument("--windows", type=int, default=None, help="at most this many held-out windows (default: all)")
+    p.add_argument("--windows", type=int, default=64, help="held-out windows evaluated (default 64; 0: all)")
     p.add_argument("--calib-seqs", type=int, default=128, help="calibration sequences of --calib-len bytes")
     p.add_argument("--calib-len", type=int, default=256, help="calibration sequence length")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="llama.cpp threads (default: half the cores; busy-waiting threads on shared cores slow it)")
     p.add_argument("--no-rtn", action="store_true", help="skip the jgptq RTN sanity rows")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.small:  # a smoke run: a briefly trained model, one format, few windows
+        args.formats = "q4_k" if args.formats == ",".join(FORMATS) else args.formats
+        args.train_steps = args.train_steps or 10
+        args.windows, args.calib_seqs = min(args.windows or 8, 8), min(args.calib_seqs, 16)
+    return args
 
 
 def _fresh_model(folder):
@@ -144,7 +151,7 @@ def main(argv=None):
     splits = corpus.split(data)
     model, info = lm.trained_model(splits, digest, args.cache_dir, steps=args.train_steps)
     folder = info["folder"]
-    held = corpus.windows(splits.tokens["heldout"], args.n_ctx, args.windows)
+    held = corpus.windows(splits.tokens["heldout"], args.n_ctx, args.windows or None)
     calib = torch.from_numpy(corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs))
     first = kl.first_scored(args.n_ctx)
     torch_loss = lm.mean_loss(model, held, first=first)
@@ -156,6 +163,10 @@ def main(argv=None):
                           "scored_tokens": int(len(held) * (args.n_ctx - 1 - first)), "threads": args.threads,
                           "torch_float_loss_nats": torch_loss, "torch_float_ppl": math.exp(torch_loss)},
            "calibration": {"sequences": int(calib.shape[0]), "length": int(calib.shape[1])},
+           "notes": ["jgptq quantize_s: the whole quantize_moe run (calibration forwards, imatrix statistic, "
+                     "solves, JIT compilation); llama_cpp quantize_s: llama_model_quantize alone, given the imatrix",
+                     "token embedding, output head, norms and routers are F32 on every side; only the weight "
+                     "tensors listed as quantized differ"],
            "formats": {}}
     print(f"model: held-out {info.get('heldout_bits_per_byte', float('nan')):.3f} bits/byte; "
           f"{len(held)} windows of {args.n_ctx}, calibration {tuple(calib.shape)}", flush=True)
@@ -166,6 +177,10 @@ def main(argv=None):
         f32 = os.path.join(work, "float-f32.gguf")
         export_gguf(model, None, f32, overwrite=True, float_type="f32")
         ref = llama_side.logits(f32, held, threads=args.threads)
+        with torch.no_grad():  # the F32 GGUF in llama.cpp against the torch model it was written from
+            check = model(input_ids=torch.from_numpy(held[:4])).logits.float().numpy()
+        out["evaluation"]["float_llama_vs_torch_max_abs_logit_diff"] = float(np.abs(check - ref[:4]).max())
+        out["evaluation"]["float_logit_scale"] = float(np.abs(check).max())
         float_stats = kl.summarize(kl.window_stats(ref, ref, held))
         out["evaluation"].update({"llama_float_ppl": float_stats["ppl"],
                                   "llama_float_loss_nats": math.log(float_stats["ppl"])})
