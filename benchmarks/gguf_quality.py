@@ -211,7 +211,7 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
 
     qtype = gguf.GGMLQuantizationType[fmt.upper()].name
     # jgptq GPTQ
-    model, result, seconds = _quantize_jgptq(folder, calib, fmt, "gptq", args.calib_seqs)
+    model, result, seconds = _quantize_jgptq(folder, calib, fmt, "gptq", min(32, args.calib_seqs))
     path_g = os.path.join(work, f"jgptq-gptq-{fmt}.gguf")
     export_gguf(model, result, path_g, overwrite=True, float_type="f32")
     types = llama_side.tensor_types(path_g)
@@ -236,7 +236,8 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
     # jgptq RTN with the same imatrix (sanity: llama.cpp's bytes)
     path_r = None
     if not args.no_rtn:
-        model, result, rtn_s = _quantize_jgptq(folder, calib, fmt, "rtn", args.calib_seqs, imatrix=imatrix)
+        model, result, rtn_s = _quantize_jgptq(folder, calib, fmt, "rtn", min(32, args.calib_seqs),
+                                               imatrix=imatrix)
         path_r = os.path.join(work, f"jgptq-rtn-{fmt}.gguf")
         export_gguf(model, result, path_r, overwrite=True, float_type="f32")
         del model, result
