@@ -84,18 +84,27 @@ def _evaluate(path, windows, ref, threads):
 
     t0 = time.perf_counter()
     logits = llama_side.logits(path, windows, threads=threads)
-    stats = kl.summarize(kl.window_stats(ref, logits, windows))
+    per_token = kl.window_stats(ref, logits, windows)
+    stats = kl.summarize(per_token)
     stats["eval_s"] = time.perf_counter() - t0
-    return stats
+    return stats, per_token["kl"]
 
 
-def _side(path, quantized_names, windows, ref, threads, seconds):
+def _side(path, quantized_names, windows, ref, threads, seconds, per_token: dict, key: str):
     from benchmarks.quality import llama_side
 
-    out = _evaluate(path, windows, ref, threads)
+    out, per_token[key] = _evaluate(path, windows, ref, threads)
     out.update(llama_side.weight_bits(path, quantized_names))
     out["quantize_s"] = seconds
     return out
+
+
+def _paired(kl_a: np.ndarray, kl_b: np.ndarray) -> dict:
+    """Mean per-token KL difference a - b over the same tokens, its standard error, and the share of tokens where
+    b is lower."""
+    d = np.asarray(kl_a, np.float64) - np.asarray(kl_b, np.float64)
+    return {"mean": float(d.mean()), "stderr": float(d.std(ddof=1) / math.sqrt(d.size)),
+            "share_b_lower": float(np.mean(d > 0))}
 
 
 def _compare_tensors(path_a, path_b, names):
@@ -121,10 +130,10 @@ def _row(fmt, entry):
             f"{j.get('kl_mean', float('nan')):9.5f}  {entry.get('kl_ratio_llama_over_jgptq', float('nan')):6.2f}  "
             f"{l.get('kl_p99', float('nan')):8.4f} {j.get('kl_p99', float('nan')):8.4f}  "
             f"{l.get('same_top_rate', float('nan')):6.3f} {j.get('same_top_rate', float('nan')):6.3f}  "
-            f"{l.get('ppl', float('nan')):6.3f} {j.get('ppl', float('nan')):6.3f}")
+            f"{l.get('ppl', float('nan')):7.4f} {j.get('ppl', float('nan')):7.4f}")
 
 
-HEADER = ("format   bpw   KL llama  KL rtn    KL gptq   llama/  p99 llama p99 gptq  top1 L top1 G  PPL L  PPL G\n"
+HEADER = ("format   bpw   KL llama  KL rtn    KL gptq   llama/  p99 llama p99 gptq  top1 L top1 G  PPL L   PPL G\n"
           "                (mean)    (mean)    (mean)    gptq")
 
 
@@ -242,10 +251,13 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
         export_gguf(model, result, path_r, overwrite=True, float_type="f32")
         del model, result
         entry["rtn_vs_llama_bytes"] = _compare_tensors(path_r, path_l, quantized)
-    entry["llama_cpp"] = _side(path_l, quantized, held, ref, args.threads, llama_s)
-    entry["jgptq_gptq"] = _side(path_g, quantized, held, ref, args.threads, seconds)
+    per_token = {}
+    entry["llama_cpp"] = _side(path_l, quantized, held, ref, args.threads, llama_s, per_token, "llama_cpp")
+    entry["jgptq_gptq"] = _side(path_g, quantized, held, ref, args.threads, seconds, per_token, "jgptq_gptq")
     if path_r:
-        entry["jgptq_rtn"] = _side(path_r, quantized, held, ref, args.threads, rtn_s)
+        entry["jgptq_rtn"] = _side(path_r, quantized, held, ref, args.threads, rtn_s, per_token, "jgptq_rtn")
+    # paired over the same tokens: llama.cpp's KL minus jgptq's (positive: jgptq closer to the float model)
+    entry["kl_paired_llama_minus_jgptq"] = _paired(per_token["llama_cpp"], per_token["jgptq_gptq"])
     kl_l, kl_g = entry["llama_cpp"]["kl_mean"], entry["jgptq_gptq"]["kl_mean"]
     entry["kl_ratio_llama_over_jgptq"] = kl_l / kl_g if kl_g > 0 else float("inf")
     entry["kl_relative_improvement"] = 1.0 - kl_g / kl_l if kl_l > 0 else float("nan")
