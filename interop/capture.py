@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -151,6 +154,7 @@ class Collector:
         self.tie: dict = {}                       # linear name -> Hessian key
         self.routed = {name: [0] * lay.num_experts for name, (_, lay) in experts.items()}
         self.batch_tokens = 0                     # non-padding tokens seen
+        self.squares: dict = {}                   # key -> [float32 (E, C) jax sums of x^2, E token counts]
         self._module_names = {id(m): n for n, (m, _) in experts.items()}
         self._seen: list = []
         self._keep = None
@@ -196,21 +200,39 @@ class Collector:
                              f"the attention mask; padding could not be excluded")
         return self._keep
 
-    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations"):
-        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the state ``key`` (entry ``index``)."""
+    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations", hessian_too=True,
+             squares=True):
+        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the state ``key`` (entry ``index``):
+        to its Hessian (``hessian_too``) and to its importance statistic (``squares``)."""
         if keep is not None:
             x = x[keep]
         n = x.shape[0]
-        state = self.states.get(key)
+        if squares:
+            sq = self.squares.get(key)
+            if sq is None:
+                sq = self.squares[key] = [None, [0] * (size or 1)]
+            sq[1][index or 0] += n
+        if not hessian_too:
+            state = True  # no Hessian state is made: only the statistic below
+        else:
+            state = self.states.get(key)
         for start in range(0, max(n, 1), _MAX_ROWS):
             piece = x[start:start + _MAX_ROWS]
             m = piece.shape[0]
-            if m == 0 and state is not None:
+            if m == 0 and state is not None and not (squares and sq[0] is None):
                 break
             p = _bucket(m)
             padded = F.pad(piece, (0, 0, 0, p - m)) if p != m else piece
             mask = torch.arange(p, device=piece.device) < m
             xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+            if squares:
+                if sq[0] is None:
+                    sq[0] = jax.device_put(jnp.zeros((size or 1, x.shape[-1]), jnp.float32),
+                                           next(iter(xj.devices())))
+                if m:
+                    sq[0] = hessian.accumulate_squares(sq[0], index or 0, xj, mj)
+            if not hessian_too:
+                continue
             if state is None:
                 dev = next(iter(xj.devices()))
                 state = (hessian.init(x.shape[-1], dev) if size is None
@@ -223,7 +245,8 @@ class Collector:
             else:
                 state = hessian.accumulate_at(state, index, xj, mj, input_dtype=self.input_dtype,
                                               check_finite=False, name=name)
-        self.states[key] = state
+        if hessian_too:
+            self.states[key] = state
 
     def _linear_hook(self, name):
         def hook(module, args, output):
@@ -255,9 +278,14 @@ class Collector:
         self.routed[name][e] += int(tok.numel() if routed_keep is None else routed_keep.sum())
         if self.all_experts:
             if e == 0:
-                self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up")
+                self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up",
+                          squares=False)
             self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
-                      name=f"{name} down")
+                      name=f"{name} down", squares=False)
+            # the importance statistic stays llama.cpp's: routed tokens only
+            for part, rows in (("gate_up", x), ("down", h)):
+                self._add((name, part), rows[tok], routed_keep, index=e, size=lay.num_experts,
+                          name=f"{name} {part}", hessian_too=False)
         else:
             self._add((name, "gate_up"), x, routed_keep, index=e, size=lay.num_experts, name=f"{name} gate/up")
             self._add((name, "down"), h, routed_keep, index=e, size=lay.num_experts, name=f"{name} down")
@@ -271,6 +299,15 @@ class Collector:
         counts = state.token_count.tolist()
         return hessian.finalize(state), counts
 
+    def importance_statistic(self, key):
+        """(float32 (E, C) numpy sums of squared inputs, float32 (E,) token counts) of ``key`` over the tokens the
+        weight saw (routed tokens only for experts, in every calibration mode); None if never fed."""
+        sq = self.squares.get(key)
+        if sq is None or sq[0] is None:
+            return None
+        return np.asarray(sq[0], np.float32), np.asarray(sq[1], np.float32)
+
     def release(self):
         """Drops every state (frees device memory)."""
         self.states.clear()
+        self.squares.clear()

@@ -86,15 +86,29 @@ def build_config(args, dtype: str) -> PipelineConfig:
         scale_dtype = dtype              # compressed-tensors: the model dtype, so loaders decode exactly
     else:
         scale_dtype = "float16"
-    quant = QuantConfig(format=args.format, bits=args.bits, group_size=args.group_size, sym=args.sym,
+    fmt = args.format
+    mix = getattr(args, "mix", None)
+    if mix is not None and fmt == "int":
+        from jgptq.mixes import PRESETS
+
+        fmt = PRESETS[mix]
+    quant = QuantConfig(format=fmt, bits=args.bits, group_size=args.group_size, sym=args.sym,
                         act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
     from interop.export import check_format
 
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
+    rules = []
+    for text in getattr(args, "tensor_format", None) or ():
+        pattern, sep, name = text.rpartition("=")
+        if not sep or not pattern or not name:
+            raise CommandError(f"--tensor-format {text!r}: expected REGEX=FORMAT, e.g. 'v_proj$=q6_k'")
+        rules.append((pattern, name))
     return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
                                 max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
-                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget)
+                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
+                                mix=mix, formats=tuple(rules), importance=getattr(args, "importance", "imatrix"),
+                                block_fallback=getattr(args, "block_fallback", "error"))
 
 
 def log(msg: str, quiet: bool = False) -> None:
@@ -159,6 +173,13 @@ def run_quantize(args) -> int:
         str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
         trust_remote_code=args.trust_remote_code, local_files_only=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.export == "gguf":  # refuse what the GGUF exporter cannot write before the run, not after it
+        from interop.gguf_export import check_exportable
+
+        try:
+            check_exportable(model, tokenizer)
+        except NotImplementedError as exc:
+            raise CommandError(str(exc)) from exc
 
     from interop.export import export_model
     from interop.layerwise import quantize_moe

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from interop import calib as calib_mod
-from interop import capture, models
+from interop import capture, ggml_plan, models
 from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_jax
@@ -156,7 +156,7 @@ def _run_layer(layer, hs, rest, kwargs):
 
 def _check_shapes(prefix, targets, quant):
     gs = quant.group_size
-    if gs == -1:
+    if gs == -1 or quant.is_ggml:  # GGML block sizes: interop.ggml_plan.choose_formats
         return
     for i, t in enumerate(targets):
         dims = [(n, m.in_features) for n, m in t.linears.items()]
@@ -180,16 +180,25 @@ def _param_specs(prefix, targets):
     return specs
 
 
-def _layer_parts(collector, target, layer_idx, prefix, moe_threshold):
-    """The matrices of one layer with their Hessians, token counts and where their results go."""
+def _layer_parts(collector, target, layer_idx, prefix, moe_threshold, cfg=None, formats=None, stats=None):
+    """The matrices of one layer with their Hessians, token counts, where their results go, and (GGML formats)
+    their format and importance (``stats``: parameter name -> ImatrixEntry used for importance)."""
     parts = []
     base = f"{prefix}.{layer_idx}"
+
+    def ggml(part):
+        if formats:
+            part.format = formats[part.param]
+            part.importance = ggml_plan.importance_of(cfg, stats.get(part.param), part.hessian, part.tokens,
+                                                      part.weight.shape[0])
+        return part
+
     for name, module in target.linears.items():
         key = collector.tie.get(name)
         got = collector.hessian(key) if key is not None else None
         h, tokens = (None, 0) if got is None else got
-        parts.append(Part(f"{base}.{name}", "linear", to_jax(module.weight, name=name)[None], h, [tokens],
-                          1, f"{base}.{key}" if key else "", param=f"{base}.{name}.weight", module=module))
+        parts.append(ggml(Part(f"{base}.{name}", "linear", to_jax(module.weight, name=name)[None], h, [tokens],
+                               1, f"{base}.{key}" if key else "", param=f"{base}.{name}.weight", module=module)))
     for name, (module, lay) in target.experts.items():
         up = getattr(module, lay.up_name)
         for kind, param, pname in (("expert_gate_up", up, lay.up_name), ("expert_down", module.down_proj,
@@ -202,9 +211,9 @@ def _layer_parts(collector, target, layer_idx, prefix, moe_threshold):
                 h, tokens = got
                 tokens = tokens if isinstance(tokens, list) else [tokens] * lay.num_experts
             w = to_jax(lay.linear(param.detach()), name=f"{name}.{pname}")
-            parts.append(Part(f"{base}.{name}.{pname}", kind, w, h, tokens, moe_threshold,
-                              f"{base}.{name}.{key[1]}", param=f"{base}.{name}.{pname}", module=param,
-                              transposed=lay.transposed))
+            parts.append(ggml(Part(f"{base}.{name}.{pname}", kind, w, h, tokens, moe_threshold,
+                                   f"{base}.{name}.{key[1]}", param=f"{base}.{name}.{pname}", module=param,
+                                   transposed=lay.transposed)))
     return parts
 
 
@@ -222,7 +231,10 @@ def _write_back(part, weight):
 
 def _store(weights, names, part, res, cfg):
     """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them) as
-    :class:`jgptq.export.QuantizedWeight` records."""
+    :class:`jgptq.export.QuantizedWeight` records (:class:`jgptq.export.GGMLWeight` for GGML formats)."""
+    if res.format:
+        ggml_plan.store_ggml(weights, names, part, res)
+        return
     q = cfg.quant
     codes, scales, zeros, g_idx = (np.asarray(a) for a in (res.codes, res.scales, res.zeros, res.g_idx))
     common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, act_order=q.act_order, scale_dtype=q.scale_dtype,
@@ -243,7 +255,7 @@ def _store(weights, names, part, res, cfg):
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
-                 checkpoint_dir=None, resume: bool = True, **kwargs) -> QuantizeResult:
+                 checkpoint_dir=None, resume: bool = True, imatrix=None, **kwargs) -> QuantizeResult:
     """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
 
     Args:
@@ -258,10 +270,14 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         and gives the same bytes as an uninterrupted run.
       resume: with ``checkpoint_dir``: continue a matching state (a mismatching one raises
         :class:`interop.resume.ResumeMismatchError`); False discards any state and starts over.
+      imatrix: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (e.g. an earlier run's
+        ``result.imatrix``): the importance of the GGML encoders comes from it instead of this run's statistic
+        (``importance="imatrix"``). Every target weight needs an entry.
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
         ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
-      A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report).
+      A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report, the importance
+      statistic ``imatrix`` by parameter name).
     Raises:
       ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
         NaN/Inf activations, a run over ``device_budget`` (:class:`interop.offload.DeviceBudgetError`);
@@ -278,6 +294,9 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         raise ValueError(f"{type(model).__name__}: nothing to quantize (no linear or experts weights in "
                          f"{prefix} after exclusions {list(cfg.exclude)})")
     _check_shapes(prefix, targets, cfg.quant)
+    formats, format_notes = ggml_plan.choose_formats(prefix, targets, cfg) if cfg.quant.is_ggml else ({}, [])
+    if imatrix is not None:
+        ggml_plan.check_imatrix(imatrix, prefix, targets)
     names = models.checkpoint_names(model, _param_specs(prefix, targets))
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size,
                                    max_length=cfg.max_length)
@@ -289,6 +308,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                      for layer, t in zip(layers, targets)])      # before any work: over budget is an error
     report = Report(config=cfg.to_dict(), model=type(model).__name__, calibration_tokens=n_tokens)
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
+    report.warnings.extend(format_notes)
     said = set()
     slow = models.slow_linear_attention(model, run_device)
     if slow:  # said once, before the first forward, with the fix; kept in the report
@@ -299,8 +319,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
     ckpt, start = None, 0
     if checkpoint_dir is not None:
-        ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, batch_list, cfg, len(layers)),
-                                     resume=resume)
+        ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, batch_list, cfg, len(layers),
+                                                                            imatrix=imatrix), resume=resume)
         start = ckpt.open()
         for i in range(start):
             resume_mod.restore_layer(ckpt, i, targets[i], prefix, names, result)
@@ -328,14 +348,16 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                 marks, before = (len(report.records), len(report.warnings)), set(result.weights)
                 last = i == len(layers) - 1
                 hidden = _process_layer(i, layer, targets[i], hidden, layer_inputs, batch_list, names, cfg,
-                                        prefix, report, result, devices, last=last, placement=placement)
+                                        prefix, report, result, devices, last=last, placement=placement,
+                                        formats=formats, given=imatrix)
                 t0 = time.perf_counter()
                 placement.put_back(i)
                 if placement.moves:
                     report.add_time(i, "offload", time.perf_counter() - t0)
                 if ckpt is not None:
                     ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
-                                    resume_mod.report_part(report, i, prefix, marks), None if last else hidden)
+                                    resume_mod.report_part(report, i, prefix, marks), None if last else hidden,
+                                    ggml_plan.layer_entries(result.imatrix, prefix, i, targets[i]))
         failed = False
     except BaseException as exc:
         note = placement.failure_note()
@@ -373,7 +395,7 @@ class _null:
 
 
 def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cfg, prefix, report, result,
-                   devices, last, placement=None):
+                   devices, last, placement=None, formats=None, given=None):
     show = cfg.progress
     collector = capture.Collector(target.linears, target.experts,
                                   all_experts=cfg.moe.calibration == "all_experts", input_dtype=cfg.hessian_dtype)
@@ -392,7 +414,10 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
     t0 = time.perf_counter()
     layer_tokens = collector.batch_tokens
     threshold = cfg.moe.threshold(layer_tokens)
-    parts = _layer_parts(collector, target, i, prefix, threshold)
+    stats = ggml_plan.layer_imatrix(collector, prefix, i, target)
+    result.imatrix.update(stats)
+    parts = _layer_parts(collector, target, i, prefix, threshold, cfg, formats,
+                         stats if given is None else given)
     for name, counts in collector.routed.items():
         full = f"{prefix}.{i}.{name}"
         if layer_tokens and not sum(counts):
@@ -429,6 +454,7 @@ def _record(report, part, res, layer_idx, cfg):
     loss, damp, stage = (np.asarray(a).tolist() for a in (res.loss, res.damp_used, res.damp_stage))
     fallback, dead = np.asarray(res.fallback).tolist(), np.asarray(res.dead_columns).tolist()
     n, r, c = part.weight.shape
+    plain = f"a plain {res.format} encode" if res.format else "round-to-nearest"
     low = []
     for e in range(n):
         name = part.name if part.kind == "linear" else f"{part.name}[{e}]"
@@ -438,10 +464,11 @@ def _record(report, part, res, layer_idx, cfg):
         report.records.append(ModuleRecord(
             name=name, layer=layer_idx, kind=part.kind, shape=(r, c), tokens=int(part.tokens[e]),
             method=res.method[e], reason=reason, loss=float(loss[e]), damp_used=float(damp[e]),
-            damp_stage=int(stage[e]), fallback=bool(fallback[e]), dead_columns=int(dead[e]), hessian=part.hkey))
+            damp_stage=int(stage[e]), fallback=bool(fallback[e]), dead_columns=int(dead[e]), hessian=part.hkey,
+            format=res.format or "int"))
         if fallback[e]:
-            report.warnings.append(f"{name}: no damping made the Hessian positive definite; round-to-nearest used")
+            report.warnings.append(f"{name}: no damping made the Hessian positive definite; {plain} used")
     if low:
         what = "module" if part.kind == "linear" else f"experts {low} of"
         report.warnings.append(f"{what} {part.name}: fewer than {part.threshold} calibration tokens "
-                               f"({[int(part.tokens[e]) for e in low]}); round-to-nearest used")
+                               f"({[int(part.tokens[e]) for e in low]}); {plain} used")

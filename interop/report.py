@@ -1,6 +1,7 @@
 """What a quantization run produced: the quantized tensors (for exporters) and a report (for people).
 
-- ``QuantizeResult.weights``: :class:`jgptq.export.QuantizedWeight` records (codes, scales, zeros, g_idx) by
+- ``QuantizeResult.weights``: :class:`jgptq.export.QuantizedWeight` records (codes, scales, zeros, g_idx; or
+  :class:`jgptq.export.GGMLWeight` payloads for GGML formats) by
   checkpoint key, named as ``save_pretrained`` writes them (fused experts split per expert, e.g.
   ``model.layers.3.mlp.experts.17.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.17.w1.weight``). The
   dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])`` in nn.Linear (out, in) orientation,
@@ -47,6 +48,7 @@ class ModuleRecord:
     fallback: bool = False       # no damping made the Hessian positive definite (round-to-nearest)
     dead_columns: int = 0
     hessian: str = ""            # the Hessian it shares (tie leader)
+    format: str = "int"          # "int" (integer grids) or the GGML format of its blocks
 
 
 @dataclasses.dataclass
@@ -137,6 +139,11 @@ class Report:
                         f"{(max(losses) if losses else float('nan')):>11.4g} {secs:>8.2f}")
         out = ["jgptq report" + (f" for {self.model}" if self.model else "")
                + f" ({self.calibration_tokens} calibration tokens)", *rows]
+        formats: dict = {}
+        for r in self.records:
+            formats[r.format] = formats.get(r.format, 0) + 1
+        if set(formats) - {"int"}:
+            out.append("formats (matrices): " + ", ".join(f"{f} {n}" for f, n in sorted(formats.items())))
         if self.coverage:
             out += ["expert coverage:", self.coverage_table()]
             low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}
@@ -181,6 +188,9 @@ class QuantizeResult:
       config: the :class:`jgptq.config.PipelineConfig` of the run.
       param_keys: model parameter name (``state_dict`` naming) -> the checkpoint keys of ``weights`` its rows
         went to (exporters drop these parameters from the unquantized tensors).
+      imatrix: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry`: llama.cpp's importance statistic of
+        every quantized weight (per column sums of squared inputs in float32 and token counts; per expert over
+        its routed tokens only, whatever the calibration mode). ``jgptq.imatrix.write_imatrix`` writes it.
     """
 
     model: object
@@ -189,6 +199,7 @@ class QuantizeResult:
     hessians: dict = dataclasses.field(default_factory=dict)
     config: object = None
     param_keys: dict = dataclasses.field(default_factory=dict)
+    imatrix: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return self.report.summary()

@@ -2,8 +2,9 @@
 
 ``quantize_moe(model, calib, checkpoint_dir="out.work")`` keeps in that folder, after each finished layer:
 
-- ``layer-<i>.safetensors``: the layer's quantized records (codes, scales, zeros, g_idx; grid facts in the
-  header) and ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
+- ``layer-<i>.safetensors``: the layer's quantized records (codes, scales, zeros, g_idx and grid facts in the
+  header; GGML payload bytes and their format) and its importance statistic (imatrix entries), and
+  ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
 - ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
   every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of
@@ -31,13 +32,15 @@ import torch
 
 from interop.report import ModuleRecord
 from jgptq.config import RUN_FIELDS
-from jgptq.export.records import QuantizedWeight
+from jgptq.export.records import GGMLWeight, QuantizedWeight
+from jgptq.imatrix import ImatrixEntry
 
 STATE = "state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _OWN_FILE = re.compile(r"^(state\.json|layer-\d{5}\.(safetensors|json)|inputs-\d{5}\.safetensors)(\.tmp-\d+)?$")
 _RECORD_FIELDS = ("bits", "group_size", "sym", "act_order", "scale_dtype", "method", "transposed")
 _ARRAYS = ("codes", "scales", "zeros", "g_idx")
+_GGML_FIELDS = ("format", "method", "transposed")
 
 
 class ResumeMismatchError(ValueError):
@@ -51,9 +54,10 @@ def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
         h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
-def fingerprint(model, batch_list, cfg, layer_count: int) -> dict:
+def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
     """What a run depends on, as hex digests: ``model`` (class, config, every state_dict tensor), ``calibration``
-    (the batches' ids and masks), ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``)."""
+    (the batches' ids and masks), ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``, and
+    a given ``imatrix``'s sums and counts)."""
     import jgptq
 
     h = hashlib.blake2b(digest_size=16)
@@ -69,6 +73,11 @@ def fingerprint(model, batch_list, cfg, layer_count: int) -> dict:
     for name in RUN_FIELDS:  # progress bars and where layers live do not change the results
         settings.pop(name, None)
     k = hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=16)
+    for name in sorted(imatrix or {}):
+        for what, arr in (("sums", imatrix[name].sums), ("counts", imatrix[name].counts)):
+            arr = np.ascontiguousarray(arr, np.float32)
+            k.update(f"{name}|{what}|{arr.shape}|".encode())
+            k.update(arr.tobytes())
     return {"model": h.hexdigest(), "calibration": c.hexdigest(), "config": k.hexdigest(),
             "layers": int(layer_count), "jgptq": jgptq.__version__}
 
@@ -155,19 +164,28 @@ class Checkpoint:
         return self.dir / f"inputs-{i:05d}.safetensors"
 
     # -- writing -----------------------------------------------------------------------------------------------
-    def save_layer(self, i: int, weights: dict, report_part: dict, next_hidden) -> None:
-        """Stores layer ``i``'s records (checkpoint key -> QuantizedWeight), its report part and (unless it was the
-        last layer) the next layer's inputs, then marks the layer finished."""
+    def save_layer(self, i: int, weights: dict, report_part: dict, next_hidden, imatrix=None) -> None:
+        """Stores layer ``i``'s records (checkpoint key -> QuantizedWeight or GGMLWeight), its importance statistic
+        (parameter name -> ImatrixEntry), its report part and (unless it was the last layer) the next layer's
+        inputs, then marks the layer finished."""
         from safetensors.numpy import save_file as save_numpy
         from safetensors.torch import save_file as save_torch
 
         arrays, meta = {}, {}
         for key, rec in weights.items():
+            if isinstance(rec, GGMLWeight):
+                meta[key] = dict({f: getattr(rec, f) for f in _GGML_FIELDS}, kind="ggml")
+                arrays[f"{key}|payload"] = np.ascontiguousarray(rec.payload)
+                continue
             meta[key] = {f: getattr(rec, f) for f in _RECORD_FIELDS}
             for a in _ARRAYS:
                 arrays[f"{key}|{a}"] = np.ascontiguousarray(getattr(rec, a))
-        _replace_into(self._layer(i, ".safetensors"),
-                      lambda p: save_numpy(arrays, str(p), metadata={"records": json.dumps(meta)}))
+        stats = sorted(imatrix or {})
+        for name in stats:
+            arrays[f"{name}|imatrix_sums"] = np.ascontiguousarray(imatrix[name].sums, np.float32)
+            arrays[f"{name}|imatrix_counts"] = np.ascontiguousarray(imatrix[name].counts, np.float32)
+        header = {"records": json.dumps(meta), "imatrix": json.dumps(stats)}
+        _replace_into(self._layer(i, ".safetensors"), lambda p: save_numpy(arrays, str(p), metadata=header))
         _replace_into(self._layer(i, ".json"), lambda p: p.write_text(json.dumps(report_part)))
         if next_hidden is not None:
             tensors = {str(b): h.detach().to("cpu").contiguous() for b, h in enumerate(next_hidden)}
@@ -185,15 +203,23 @@ class Checkpoint:
 
     # -- reading -----------------------------------------------------------------------------------------------
     def load_layer(self, i: int) -> tuple[dict, dict]:
-        """(checkpoint key -> QuantizedWeight, report part) of finished layer ``i``."""
+        """(checkpoint key -> QuantizedWeight or GGMLWeight, report part) of finished layer ``i``; the part holds
+        the layer's importance statistic under ``"imatrix"`` (parameter name -> ImatrixEntry)."""
         from safetensors import safe_open
 
         path = self._layer(i, ".safetensors")
+        weights = {}
         with safe_open(str(path), framework="numpy") as f:
-            meta = json.loads(f.metadata()["records"])
-            weights = {key: QuantizedWeight(**{a: f.get_tensor(f"{key}|{a}") for a in _ARRAYS}, **fields)
-                       for key, fields in meta.items()}
+            header = f.metadata()
+            for key, fields in json.loads(header["records"]).items():
+                if fields.pop("kind", None) == "ggml":
+                    weights[key] = GGMLWeight(f.get_tensor(f"{key}|payload"), **fields)
+                else:
+                    weights[key] = QuantizedWeight(**{a: f.get_tensor(f"{key}|{a}") for a in _ARRAYS}, **fields)
+            stats = {name: ImatrixEntry(f.get_tensor(f"{name}|imatrix_sums"), f.get_tensor(f"{name}|imatrix_counts"))
+                     for name in json.loads(header.get("imatrix", "[]"))}
         part = json.loads(self._layer(i, ".json").read_text())
+        part["imatrix"] = stats
         return weights, part
 
     def load_hidden(self, i: int, device) -> list:
@@ -228,6 +254,7 @@ def restore_layer(ckpt: Checkpoint, layer: int, target, prefix: str, names: dict
     its dequantized weights are written into the model's parameters (as the pipeline's write step does)."""
     weights, part = ckpt.load_layer(layer)
     result.weights.update(weights)
+    result.imatrix.update(part["imatrix"])
     report = result.report
     for d in part["records"]:
         d = dict(d, shape=tuple(d["shape"]), loss=_nan(d["loss"]), damp_used=_nan(d["damp_used"]))

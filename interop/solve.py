@@ -8,7 +8,12 @@ bucket, and so do linear parts; a bucket is solved by a single :func:`solve_buck
   ``all_experts`` calibration) are passed once, as a (C, C) matrix, so the factorization is shared too;
 - a matrix whose Hessian saw fewer tokens than its threshold (an expert rarely or never routed to) gets the
   identity as its Hessian, for which GPTQ is exactly round-to-nearest; it is reported as ``rtn`` with the reason;
-- ``method="rtn"`` skips GPTQ and rounds every matrix to nearest on the same grids (a baseline).
+- ``method="rtn"`` skips GPTQ and rounds every matrix to nearest on the same grids (a baseline); with a GGML
+  format it is a plain encode with importance (llama.cpp's imatrix-only quantization), done where the weight is.
+
+GGML formats: a part carries its format (per-weight mixes put parts of one shape but different formats in
+different buckets) and its importance (N, C); the solver's payload bytes are kept, and the weight written back is
+the decode of those bytes.
 
 :func:`solve_bucket` is the one place a solve happens: the multi-device solver (same signature plus
 ``devices=``) replaces its body.
@@ -44,6 +49,8 @@ class Part:
       hkey: name of the Hessian (equal names = the same Hessian).
       param, module, transposed: where the result goes (checkpoint lookup name; the nn.Linear or 3-D Parameter;
         whether the parameter stores (E, in, out)).
+      format: the GGML format of this part (``""``: the run's integer grids).
+      importance: float32 (N, C) per-column importance for GGML encoders, or None.
     """
 
     name: str
@@ -56,6 +63,8 @@ class Part:
     param: str = ""
     module: object = None
     transposed: bool = False
+    format: str = ""
+    importance: object = None
 
 
 class PartResult(NamedTuple):
@@ -74,14 +83,50 @@ class PartResult(NamedTuple):
     damp_stage: np.ndarray
     fallback: np.ndarray
     dead_columns: np.ndarray
+    payload: object
     method: list
     reason: list
+    format: str = ""
 
 
-def solve_bucket(weights, hessians, config: QuantConfig, *, name: str = "experts", devices=None):
+def solve_bucket(weights, hessians, config: QuantConfig, *, name: str = "experts", devices=None, importance=None):
     """Solves a stack of same-shape matrices over ``devices`` (default: every local device), with the room check
     of :func:`jgptq.parallel.solve_experts`; the bytes equal a one-device :func:`jgptq.gptq.solve_experts`."""
-    return parallel.solve_experts(weights, hessians, config, name=name, devices=devices)
+    return parallel.solve_experts(weights, hessians, config, name=name, devices=devices, importance=importance)
+
+
+@functools.lru_cache(maxsize=None)
+def ggml_encoder(format_name: str):
+    """``fn(weight (R, C), importance (C,) or None) -> (payload uint8 (R, C // block, type_size), decoded float32
+    (R, C))``: the plain encode of a GGML format (one function object per format, so compiles are cached)."""
+    from jgptq.ggml import get_format
+
+    fmt = get_format(format_name)
+
+    def encode(weight, importance):
+        w = weight.astype(jnp.float32)
+        payload = fmt.encode(w) if importance is None else fmt.encode(w, importance.astype(jnp.float32))
+        return payload.reshape(w.shape[0], -1, fmt.type_size), fmt.decode(payload)
+
+    return encode
+
+
+def _device(x):
+    return next(iter(x.devices()))
+
+
+def _encode_bucket(group, weights, importance, format_name: str):
+    """Plain GGML encodes of a bucket: (payload (N, R, nb, ts), dequantized (N, R, C)); experts spread over the
+    devices, linear modules encoded on the device that holds them."""
+    fn = ggml_encoder(format_name)
+    if group[0].kind != "linear":
+        return parallel.encode_experts(fn, weights, importance)
+    named = {str(i): p.weight[0] for i, p in enumerate(group)}
+    imp = None if importance is None else {str(i): importance[i] for i in range(len(group))}
+    out = parallel.encode_on_devices(fn, named, imp)
+    pay = jnp.stack([jax.device_put(out[str(i)][0], jax.devices()[0]) for i in range(len(group))])
+    deq = jnp.stack([jax.device_put(out[str(i)][1], jax.devices()[0]) for i in range(len(group))])
+    return pay, deq
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -94,6 +139,15 @@ def _rtn(weights, config):
     nan = jnp.full((n,), jnp.nan, jnp.float32)
     return gptq.GPTQResult(deq, nan, perm, g_idx, codes, grid.scale, grid.zero, None, nan,
                            jnp.full((n,), -1, jnp.int32), jnp.zeros((n,), bool), jnp.zeros((n,), jnp.int32))
+
+
+def _encoded_result(payload, deq):
+    n, _, c = deq.shape
+    nan = jnp.full((n,), jnp.nan, jnp.float32)
+    zeros_c = jnp.zeros((n, c), jnp.int32)
+    return gptq.GPTQResult(deq, nan, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c)), zeros_c, None,
+                           None, None, payload, nan, jnp.full((n,), -1, jnp.int32), jnp.zeros((n,), bool),
+                           jnp.zeros((n,), jnp.int32))
 
 
 @jax.jit
@@ -129,7 +183,7 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
     for p in parts:
         # experts and linear modules apart: each kind then has the same buckets in every layer of a kind, so the
         # compiled solves are reused from layer to layer
-        buckets.setdefault((p.kind != "linear",) + tuple(p.weight.shape[1:]), []).append(p)
+        buckets.setdefault((p.kind != "linear",) + tuple(p.weight.shape[1:]) + (p.format,), []).append(p)
     out = []
     for shape in sorted(buckets):
         group = buckets[shape]
@@ -140,22 +194,43 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
                 low.append(is_low)
                 reasons.append(f"{t} tokens < {p.threshold}" if is_low else "")
         weights = group[0].weight if len(group) == 1 else jnp.concatenate([p.weight for p in group])
-        if cfg.method == "rtn":
+        fmt = shape[3]
+        quant = cfg.quant.replace(format=fmt) if fmt else cfg.quant
+        importance = None
+        if fmt and group[0].importance is not None:
+            importance = jnp.concatenate([jnp.asarray(p.importance, jnp.float32) for p in group])
+        if cfg.method == "rtn" and fmt:
+            res = _encoded_result(*_encode_bucket(group, weights, importance, fmt))
+        elif cfg.method == "rtn":
             res = _rtn(weights, cfg.quant)
         else:
             hess = _bucket_hessians(group, low)
             names = ", ".join(p.name for p in group)
             # the solver checks shapes and finiteness; a NaN/Inf Hessian means NaN/Inf calibration activations
-            res = solve_bucket(weights, hess, cfg.quant, name=f"{names} ({shape[1]}x{shape[2]})", devices=devices)
+            res = solve_bucket(weights, hess, quant, name=f"{names} ({shape[1]}x{shape[2]})", devices=devices,
+                               importance=importance)
+            if fmt and any(low):
+                # under-calibrated matrices get exactly the plain encode (an identity Hessian is not quite that for
+                # formats whose importance weighting looks at the whole row: q4_0, q4_1, q5_0, q5_1)
+                plain, _ = _encode_bucket(group, weights, importance, fmt)
+                mask = jnp.asarray(low)[:, None, None, None]
+                res = res._replace(payload=jnp.where(mask, jax.device_put(plain, _device(res.payload)),
+                                                     res.payload))
+        if fmt:  # the written-back weight is the decode of the kept bytes, exactly as GGMLWeight.dequantize
+            from jgptq.ggml.api import decode
+
+            n, r, c = weights.shape
+            res = res._replace(weight=decode(res.payload.reshape(n, r, -1), fmt))
         weight = to_torch(res.weight, name=group[0].name)
-        host = {f: np.asarray(getattr(res, f)) for f in PartResult._fields[1:-2]}
+        host = {f: None if getattr(res, f) is None else np.asarray(getattr(res, f))
+                for f in PartResult._fields[1:-4] + ("payload",)}
         host["loss"] = np.where(np.asarray(low), np.nan, host["loss"])  # no GPTQ loss for fallbacks
         start = 0
         for p in group:
             n = p.weight.shape[0]
             sl = slice(start, start + n)
             method = ["rtn" if (cfg.method == "rtn" or low[start + e]) else "gptq" for e in range(n)]
-            out.append((p, PartResult(weight[sl], **{f: a[sl] for f, a in host.items()}, method=method,
-                                      reason=reasons[sl])))
+            out.append((p, PartResult(weight[sl], **{f: None if a is None else a[sl] for f, a in host.items()},
+                                      method=method, reason=reasons[sl], format=fmt)))
             start += n
     return out

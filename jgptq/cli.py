@@ -18,6 +18,7 @@ import sys
 
 EXPORTS = ("compressed-tensors", "gptq", "gguf")
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
+MIXES = ("q4_k_m", "q5_k_m", "q4_k_s", "q5_k_s", "q3_k_m", "q6_k")  # jgptq.mixes.PRESETS (kept import-free)
 
 EPILOG = """examples:
   jgptq demo
@@ -25,6 +26,7 @@ EPILOG = """examples:
   jgptq quantize ./model --calib texts/ --out ./model-gptq --export gptq --bits 4 --group-size 128 --act-order desc
   jgptq quantize ./model --calib texts/ --out ./model-w3 --bits 3 --asym --calibration all_experts --device cuda
   jgptq quantize ./big-model --calib calib.txt --out ./big-w4 --offload disk --device-budget 40GB
+  jgptq quantize ./model --calib calib.txt --out ./model-Q4_K_M.gguf --export gguf --mix q4_k_m
 """
 
 
@@ -44,7 +46,19 @@ def _quant_options(p: argparse.ArgumentParser, bits: int, group_size: int) -> No
                         "holds ('desc' with groups: gptq only) (default: none)")
     g.add_argument("--damp", type=float, default=0.01, help="relative Hessian damping (default: 0.01)")
     g.add_argument("--method", choices=("gptq", "rtn"), default="gptq",
-                   help="gptq, or rtn: round-to-nearest on the same grids, a baseline (default: gptq)")
+                   help="gptq, or rtn: round-to-nearest on the same grids, a baseline; with a GGML format a plain "
+                        "encode with importance, as llama-quantize with an imatrix (default: gptq)")
+    g.add_argument("--mix", choices=MIXES, help="a llama.cpp mix for GGML formats (q4_k_m: q4_k with attn_v and "
+                   "ffn_down raised to q6_k on llama.cpp's layers, ...); sets --format to its base")
+    g.add_argument("--tensor-format", action="append", metavar="REGEX=FORMAT",
+                   help="GGML format of the weights whose name relative to a layer (self_attn.v_proj, "
+                        "mlp.experts.down_proj) matches REGEX; first match wins; repeatable")
+    g.add_argument("--importance", choices=("imatrix", "hessian", "none"), default="imatrix",
+                   help="importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
+                        "the Hessian diagonal, or none (default: imatrix)")
+    g.add_argument("--block-fallback", default="error", metavar="FORMAT",
+                   help="GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "
+                        "(llama.cpp's fallback types) or a format name (default: error)")
 
 
 def build_parser() -> argparse.ArgumentParser:

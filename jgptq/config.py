@@ -111,6 +111,7 @@ class QuantConfig:
 MOE_CALIBRATIONS = ("routed", "all_experts")
 METHODS = ("gptq", "rtn")
 OFFLOADS = ("none", "cpu", "disk")
+IMPORTANCES = ("imatrix", "hessian", "none")
 # Fields that say where and how visibly a run works, never what it computes: a resumed run may change them.
 RUN_FIELDS = ("progress", "offload", "offload_dir", "device_budget", "reload", "keep_offload_files")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -197,6 +198,21 @@ class PipelineConfig:
         model's layers on the meta device, their quantized tensors in ``offload_dir``
         (:func:`interop.offload.reload_all` loads them).
       keep_offload_files: ``offload="disk"``: keep the layer files after reloading.
+      importance: per-column importance handed to the GGML encoders (GGML formats only): ``"imatrix"`` (llama.cpp's
+        statistic, the mean of squared inputs over the tokens each weight saw, routed tokens only for experts:
+        the scale llama.cpp's encoders expect), ``"hessian"`` (the Hessian diagonal, twice that) or ``"none"``
+        (the encoders' unweighted path; refused for formats llama.cpp will not make without importance:
+        ``jgptq.mixes.NEEDS_IMPORTANCE``). An imatrix given to :func:`jgptq.quantize_moe` replaces the collected
+        one.
+      formats: per-weight GGML formats: ``((regex, format), ...)`` matched (``re.search``) against the weight's
+        name relative to its decoder layer (``self_attn.v_proj``, ``mlp.experts.down_proj``); the first match
+        wins, else ``mix``, else ``quant.format`` (:mod:`jgptq.mixes`).
+      mix: a llama.cpp mix preset (``"q4_k_m"``, ``"q5_k_m"``, ``"q4_k_s"``, ``"q5_k_s"``, ``"q3_k_m"``,
+        ``"q6_k"``; :mod:`jgptq.mixes` says what each raises). With ``quant.format="int"`` the preset's base
+        format becomes ``quant.format``.
+      block_fallback: a weight whose rows are not a whole number of its format's blocks: ``"error"`` (refused
+        before any work), ``"llama.cpp"`` (llama.cpp's fallback table, e.g. q4_k -> q5_0) or a format name; a
+        fallback is recorded in the report's warnings.
     """
 
     quant: QuantConfig = QuantConfig()
@@ -213,15 +229,17 @@ class PipelineConfig:
     device_budget: "int | None" = None
     reload: bool = True
     keep_offload_files: bool = False
+    importance: str = "imatrix"
+    formats: tuple = ()
+    mix: "str | None" = None
+    block_fallback: str = "error"
 
     def __post_init__(self):
         if not isinstance(self.quant, QuantConfig):
             _fail_in("PipelineConfig", "quant", self.quant, "must be a QuantConfig")
         if not isinstance(self.moe, MoEConfig):
             _fail_in("PipelineConfig", "moe", self.moe, "must be a MoEConfig")
-        if self.quant.is_ggml:
-            _fail_in("PipelineConfig", "quant", self.quant.format, "the layerwise pipeline writes integer grids; "
-                     "GGML formats go through the GGUF exporter")
+        self._check_ggml()
         if self.method not in METHODS:
             _fail_in("PipelineConfig", "method", self.method, f"must be one of {METHODS}")
         if self.hessian_dtype not in ("float32", "bfloat16"):
@@ -239,6 +257,52 @@ class PipelineConfig:
             except (re.error, TypeError) as exc:
                 _fail_in("PipelineConfig", "exclude", pattern, f"not a regular expression ({exc})")
         self._check_offload()
+
+    def _check_ggml(self):
+        from jgptq import mixes
+        from jgptq.ggml.registry import get_format
+
+        if self.importance not in IMPORTANCES:
+            _fail_in("PipelineConfig", "importance", self.importance, f"must be one of {IMPORTANCES}")
+        if self.mix is not None:
+            if self.mix not in mixes.PRESETS:
+                _fail_in("PipelineConfig", "mix", self.mix, f"must be None or one of {sorted(mixes.PRESETS)}")
+            base = mixes.PRESETS[self.mix]
+            if self.quant.format == "int":
+                object.__setattr__(self, "quant", self.quant.replace(format=base))
+            elif self.quant.format != base:
+                _fail_in("PipelineConfig", "mix", self.mix, f"its base format is {base}, but quant.format is "
+                         f"{self.quant.format!r} (leave format at 'int' or set it to {base!r})")
+        rules = []
+        for rule in tuple(self.formats):
+            if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+                _fail_in("PipelineConfig", "formats", rule, "each rule must be a (regex, format) pair")
+            pattern, fmt = rule
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as exc:
+                _fail_in("PipelineConfig", "formats", pattern, f"not a regular expression ({exc})")
+            rules.append((pattern, str(fmt).lower()))
+        object.__setattr__(self, "formats", tuple(rules))
+        if rules and not self.quant.is_ggml:
+            _fail_in("PipelineConfig", "formats", self.formats, "per-weight GGML formats need a GGML quant.format "
+                     "(or a mix) for the other weights; integer grids and GGML blocks do not mix in one run")
+        if self.block_fallback not in ("error", "llama.cpp"):
+            object.__setattr__(self, "block_fallback", str(self.block_fallback).lower())
+        if not self.quant.is_ggml:
+            if self.block_fallback != "error":
+                _fail_in("PipelineConfig", "block_fallback", self.block_fallback, "only used with GGML formats")
+            return
+        for name in sorted(mixes.possible_formats(self)):
+            try:
+                fmt = get_format(name)
+            except ValueError as exc:
+                _fail_in("PipelineConfig", "formats", name, str(exc))
+            if fmt.encode is None:
+                _fail_in("PipelineConfig", "formats", name, "jgptq has no encoder for this GGML format")
+            if self.importance == "none" and (fmt.requires_importance or fmt.name in mixes.NEEDS_IMPORTANCE):
+                _fail_in("PipelineConfig", "importance", self.importance, f"format {fmt.name} needs importance "
+                         f"weights (llama.cpp refuses it without an imatrix); use 'imatrix' or 'hessian'")
 
     def _check_offload(self):
         if self.offload not in OFFLOADS:

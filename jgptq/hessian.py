@@ -224,3 +224,25 @@ class DevicePartials:
                 result = _add_donated(result, part)
                 jax.tree.map(lambda a: a.delete(), part)
         return result
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _squares_at(sums, index, x, mask):
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    sq = jnp.square(x) if mask is None else jnp.where(mask.reshape(-1)[:, None], jnp.square(x), 0.0)
+    return sums.at[index].add(jnp.sum(sq, axis=0))
+
+
+def accumulate_squares(sums, index: int, x, mask=None):
+    """Adds the per-column sums of squares of the rows of ``x`` (where ``mask`` holds) to row ``index`` of ``sums``.
+
+    The importance statistic of llama.cpp (:mod:`jgptq.imatrix`): ``sums[index, j] += sum_t x_tj^2`` in float32.
+
+    Args:
+      sums: float32 (E, C), donated (updated in place).
+      index: which row (expert) the tokens belong to.
+      x: float (..., C) activations; mask: bool (...) or None (every row).
+    Returns:
+      The updated (E, C) sums.
+    """
+    return _squares_at(sums, jnp.int32(index), jnp.asarray(x), None if mask is None else jnp.asarray(mask))

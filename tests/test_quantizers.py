@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,3 +72,25 @@ def test_float16_scales_never_underflow_to_zero():
     grid = uniform.fit(w, QuantConfig(bits=4, sym=False))
     assert np.all(np.asarray(grid.scale) > 0)
     assert np.all(np.isfinite(np.asarray(uniform.fake_quantize(w, grid.scale[:, None], grid.zero[:, None], 15))))
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_solve_has_no_float_conversion_chains(scale_dtype):
+    # XLA:GPU collapses a chain of float converts into one (dropping the inner rounding): a scale rounded to
+    # float16 by two converts would come back unrounded on GPU and fail the storage check. The optimized CPU HLO
+    # shows such chains before that pass would run.
+    from jgptq import gptq
+    from tests.ggml.hlo_chains import convert_chains
+
+    cfg = QuantConfig(bits=4, group_size=32, scale_dtype=scale_dtype)
+    w = jnp.ones((8, 64), jnp.float32)
+    h = jnp.eye(64, dtype=jnp.float32)
+    text = gptq._solve_jit.lower(w, h, None, cfg, None).compile().as_text()
+    assert convert_chains(text) == []
+    grid_text = jax.jit(lambda s: uniform.storable_scale(s, scale_dtype)).lower(w).compile().as_text()
+    assert convert_chains(grid_text) == []
+    s = jnp.asarray([1e-9, 3.14159, 65504.0, 1e5 if scale_dtype == "bfloat16" else 60000.0], jnp.float32)
+    got = np.asarray(uniform.storable_scale(s, scale_dtype))
+    dt = np.float16 if scale_dtype == "float16" else jnp.bfloat16
+    want = np.maximum(np.asarray(s).astype(dt).astype(np.float32), float(jnp.finfo(dt).smallest_subnormal))
+    np.testing.assert_array_equal(got, want)

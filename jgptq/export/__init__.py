@@ -6,6 +6,8 @@
 - :func:`export_compressed_tensors` (:mod:`.compressed_tensors`): compressed-tensors ``pack-quantized`` (vLLM).
 - :func:`write_checkpoint` (:mod:`.shards`): atomic sharded safetensors folders with an index.
 - :func:`pack_int32` / :func:`unpack_int32` (:mod:`.packing`): dense little-endian int32 bit packing, 1..8 bits.
+- :func:`write_gguf` / :class:`GGUFTensor` (:mod:`.gguf`): GGUF files of float tensors and GGML block payloads
+  (:class:`GGMLWeight`), written atomically.
 
 Example (one dense model, every Linear quantized with the same config)::
 
@@ -17,10 +19,11 @@ Example (one dense model, every Linear quantized with the same config)::
 """
 
 from jgptq.export.compressed_tensors import export_compressed_tensors
+from jgptq.export.gguf import GGUFTensor, write_gguf
 from jgptq.export.gptq_v1 import export_gptq_v1
 from jgptq.export.packing import pack_int32, packed_length, unpack_int32
 from jgptq.export.records import GGMLWeight, QuantizedWeight, expert_entries
 from jgptq.export.shards import write_checkpoint
 
 __all__ = ["QuantizedWeight", "GGMLWeight", "expert_entries", "export_gptq_v1", "export_compressed_tensors", "write_checkpoint",
-           "pack_int32", "unpack_int32", "packed_length"]
+           "pack_int32", "unpack_int32", "packed_length", "GGUFTensor", "write_gguf"]

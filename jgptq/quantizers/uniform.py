@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jgptq.config import QuantConfig
@@ -53,7 +54,22 @@ def storable_scale(scale: jax.Array, scale_dtype: str) -> jax.Array:
         return scale
     dt = jnp.dtype(scale_dtype)
     tiny = jnp.asarray(jnp.finfo(dt).smallest_subnormal, jnp.float32)
-    return jnp.maximum(scale.astype(dt).astype(jnp.float32), tiny)
+    return jnp.maximum(_rounded_through(scale, dt), tiny)
+
+
+def _rounded_through(v: jax.Array, dt) -> jax.Array:
+    """float32 ``v`` rounded to the 16-bit float ``dt`` and widened back, without a float conversion back.
+
+    A plain ``v.astype(dt).astype(float32)`` is a chain of two float conversions, which XLA:GPU collapses into
+    one (dropping the rounding): the scales would not be representable in their storage dtype. The widening
+    here works on the integer bits instead.
+    """
+    from jgptq.ggml.common import f16_value, settle
+
+    bits = lax.bitcast_convert_type(settle(v).astype(dt), jnp.uint16)
+    if dt == jnp.dtype(jnp.float16):
+        return f16_value(bits)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)  # bfloat16: the high half
 
 
 def _grid_from_range(xmin, xmax, maxq: int, sym: bool, scale_dtype: str = "float32") -> Grid:

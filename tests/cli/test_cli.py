@@ -156,3 +156,26 @@ def test_demo_runs_offline_and_gptq_beats_round_to_nearest(env, tmp_path):
     svg = ET.parse(out.with_name("m.loss.svg")).getroot()
     lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 2 and all(len(p.get("points").split()) == 2 for p in lines)
+
+
+def test_ggml_options_make_the_pipeline_config(monkeypatch):
+    from interop import command, export
+    from jgptq.cli import build_parser
+
+    def parsed(*extra):
+        return build_parser().parse_args(["quantize", "m", "--calib", "c", "--out", "o", *extra])
+
+    monkeypatch.setattr(export, "gguf_available", lambda: True)
+    cfg = command.build_config(parsed("--export", "gguf", "--mix", "q4_k_m", "--tensor-format", r"v_proj$=q8_0",
+                                      "--tensor-format", "experts=iq4_xs", "--importance", "hessian",
+                                      "--block-fallback", "llama.cpp", "--method", "rtn"), "float32")
+    assert cfg.quant.format == "q4_k" and cfg.mix == "q4_k_m" and cfg.method == "rtn"
+    assert cfg.formats == ((r"v_proj$", "q8_0"), ("experts", "iq4_xs"))
+    assert cfg.importance == "hessian" and cfg.block_fallback == "llama.cpp"
+    with pytest.raises(command.CommandError, match="REGEX=FORMAT"):
+        command.build_config(parsed("--export", "gguf", "--format", "q4_k", "--tensor-format", "v_proj"), "float32")
+    with pytest.raises(ValueError, match="needs importance"):
+        command.build_config(parsed("--export", "gguf", "--format", "iq2_xxs", "--importance", "none"), "float32")
+    for kind in ("gptq", "compressed-tensors"):   # a mix is GGML: the integer exporters refuse it up front
+        with pytest.raises(export.ExportError, match="GGML block format"):
+            command.build_config(parsed("--export", kind, "--mix", "q4_k_m"), "float32")

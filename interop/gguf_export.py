@@ -1,0 +1,326 @@
+"""GGUF files of transformers models that llama.cpp loads: float, or carrying jgptq's GGML blocks byte for byte.
+
+- :func:`export_gguf`: the model (``result=None``: every weight in a float type) or a quantization result whose
+  :class:`jgptq.export.GGMLWeight` records are written as they are (no re-encoding), with the metadata llama.cpp
+  reads for the architecture. Norms and routers stay float32; embeddings and the output head stay in
+  ``float_type`` unless the result holds records for them.
+- :func:`gguf_names`: model parameter name -> GGUF tensor names (:mod:`interop.gguf_arch`).
+- :func:`export_imatrix`: an importance statistic keyed by parameter name, written as a llama.cpp imatrix file
+  under the GGUF tensor names (``llama-quantize --imatrix``).
+
+Example::
+
+    result = jgptq.quantize_moe(model, calib, QuantConfig(format="q4_k"))
+    export_gguf(model, result, "model-q4_k.gguf")
+    export_gguf(model, None, "model-f32.gguf", float_type="f32")   # llama.cpp's quantizer input
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from interop import models
+from interop.gguf_arch import (ARCHITECTURES, Target, UnsupportedGGUFModel, arch_of, gguf_names, metadata,
+                               qk_row_order, rope_freqs, targets)
+from interop.gguf_vocab import vocab_metadata
+from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
+from jgptq.export.records import GGMLWeight
+
+__all__ = ["export_gguf", "export_imatrix", "check_exportable", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
+
+QUANTIZATION_VERSION = 2
+# GGML format -> llama.cpp file type (``general.file_type``, informative): K formats as their "_M" mixes.
+_FILE_TYPE_ALIASES = {"q3_k": "MOSTLY_Q3_K_M", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M",
+                      "iq2_s": "MOSTLY_IQ2_M", "iq3_s": "MOSTLY_IQ3_S"}
+
+
+def _file_type(formats: Counter, float_type: str) -> int:
+    if not formats:
+        return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16}[float_type].value
+    main = formats.most_common(1)[0][0]
+    name = _FILE_TYPE_ALIASES.get(main, "MOSTLY_" + main.upper())
+    member = getattr(gguf.LlamaFileType, name, None)
+    return (member or gguf.LlamaFileType.GUESSED).value
+
+
+def _linear_view(model, param: str, tensor: torch.Tensor) -> np.ndarray:
+    """float32 numpy of a parameter in nn.Linear orientation (..., out, in)."""
+    owner = param.rpartition(".")[0]
+    t = tensor.detach().to("cpu", torch.float32)
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        module = None
+    if module is not None and models.is_experts_module(module):
+        t = models.ExpertsLayout.of(module).linear(t)
+    return t.contiguous().numpy()
+
+
+def _assemble(model, result, params: dict) -> dict:
+    """Model parameter name -> one :class:`GGMLWeight` covering the whole parameter in (..., out, in) orientation.
+
+    ``result.weights`` is keyed by parameter names, or by checkpoint keys listed in ``result.param_keys``
+    (per-expert keys are stacked back with :func:`interop.models.checkpoint_names`).
+    """
+    weights = dict(result.weights)
+    for key, rec in weights.items():
+        if not isinstance(rec, GGMLWeight):
+            raise ValueError(f"{key}: a {type(rec).__name__} record holds an integer grid, not GGML blocks; GGUF "
+                             f"files hold GGML formats only (quantize with a GGML format, or export 'gptq' / "
+                             f"'compressed-tensors')")
+    param_keys = dict(getattr(result, "param_keys", None) or {})
+    if not param_keys:
+        unknown = [k for k in weights if k not in params]
+        if unknown:
+            raise ValueError(f"result.weights keys {unknown[:4]} are not model parameters and result.param_keys "
+                             f"does not say which parameters they belong to")
+        param_keys = {k: [k] for k in weights}
+    used, out, indirect = set(), {}, {}
+    for param, keys in param_keys.items():
+        if param not in params:
+            raise ValueError(f"result.param_keys names {param!r}, which is not a parameter of the model")
+        keys = list(keys)
+        missing = [k for k in keys if k not in weights]
+        if missing:
+            raise ValueError(f"{param}: checkpoint keys {missing[:4]} are missing from result.weights")
+        used.update(keys)
+        full = params[param]
+        if len(full) < 2:
+            raise ValueError(f"{param}: a {len(full)}-D tensor (a norm or bias) stays in floating point in llama.cpp; "
+                             f"leave it out of the result")
+        if len(keys) == 1 and tuple(weights[keys[0]].shape) == full:
+            out[param] = weights[keys[0]]
+        else:
+            indirect[param] = keys
+    unused = set(weights) - used
+    if unused:
+        raise ValueError(f"result.weights keys {sorted(unused)[:4]} belong to no parameter in result.param_keys")
+    if indirect:
+        spec = {}
+        for param in indirect:
+            full = params[param]
+            module = model.get_submodule(param.rpartition(".")[0])
+            transposed = models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed
+            spec[param] = (full[0] if len(full) == 3 else None, full[-2], transposed)
+        places = models.checkpoint_names(model, spec)
+        for param, keys in indirect.items():
+            out[param] = _stack(param, params[param], places[param], keys, weights)
+    return out
+
+
+def _stack(param: str, full: tuple, places: list, keys: list, weights: dict) -> GGMLWeight:
+    found = {key for key, _, _ in places}
+    if found != set(keys):
+        raise ValueError(f"{param}: result.param_keys lists {sorted(keys)[:4]}, the checkpoint names of this "
+                         f"parameter are {sorted(found)[:4]}")
+    recs = [weights[k] for k in keys]
+    formats = {r.format for r in recs}
+    if len(formats) != 1:
+        raise ValueError(f"{param}: its records use several formats {sorted(formats)}; one GGUF tensor holds one")
+    first = recs[0]
+    block = first.block_size
+    if full[-1] % block:
+        raise ValueError(f"{param}: rows of {full[-1]} values are not a multiple of the {first.format} block "
+                         f"({block})")
+    payload = np.zeros(full[:-1] + (full[-1] // block, first.payload.shape[-1]), np.uint8)
+    covered = np.zeros(full[:-1], bool)
+    for key, expert, rows in places:
+        rec = weights[key]
+        rows = np.asarray(rows)
+        if expert is None and len(full) == 3:
+            target = payload.reshape((-1,) + payload.shape[-2:])
+            cov = covered.reshape(-1)
+        elif expert is None:
+            target, cov = payload, covered
+        else:
+            target, cov = payload[expert], covered[expert]
+        expect = (len(rows), full[-1])
+        got = tuple(rec.shape)
+        if got != expect and not (expert is None and len(full) == 3 and got == full):
+            raise ValueError(f"{key}: record shape {got} does not match its {expect[0]} rows of {param} {full}")
+        target[rows] = rec.payload.reshape((len(rows),) + rec.payload.shape[-2:])
+        cov[rows] = True
+    if not covered.all():
+        raise ValueError(f"{param}: the records of {sorted(keys)[:4]} do not cover every row")
+    methods = {r.method for r in recs}
+    return GGMLWeight(payload, first.format, method=methods.pop() if len(methods) == 1 else "mixed")
+
+
+def check_exportable(model, tokenizer=None) -> None:
+    """Refuses, before any quantization work, a model or tokenizer :func:`export_gguf` would refuse afterwards.
+
+    Raises:
+      UnsupportedGGUFModel: an unsupported family or setting; NotImplementedError: an unsupported tokenizer.
+    """
+    arch_of(model)
+    targets(model, arch_of(model))
+    if tokenizer is not None:
+        vocab_metadata(tokenizer, int(model.config.vocab_size))
+
+
+def _payload_rows(rec: GGMLWeight, t) -> np.ndarray:
+    """The blocks of the rows a GGUF tensor takes from a record, permuted for llama.cpp's RoPE where needed."""
+    data = rec.payload if t.rows is None else rec.payload[..., t.rows, :, :]
+    return data[qk_row_order(t.heads, data.shape[-3])] if t.heads else data
+
+
+def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
+    """float32 rows of a parameter a GGUF tensor takes (nn.Linear orientation, RoPE-permuted where needed)."""
+    value = _linear_view(model, param, tensor)
+    data = value if t.rows is None else value[..., t.rows, :]
+    if t.heads:  # rows of a weight, entries of a bias
+        data = data[qk_row_order(t.heads, data.shape[-2] if data.ndim > 1 else data.shape[0])]
+    return np.ascontiguousarray(data.reshape(-1) if t.flat else data)
+
+
+def _output_path(out) -> Path:
+    path = Path(os.fspath(out))
+    return path if path.suffix.lower() == ".gguf" and not path.is_dir() else path / "model.gguf"
+
+
+def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False, tokenizer=None,
+                float_type: str = "f16", file_type: int | None = None) -> Path:
+    """Writes ``model`` (quantized by ``result``, or float) as a GGUF file llama.cpp loads.
+
+    Args:
+      model: a transformers causal LM of a supported family (:data:`ARCHITECTURES`: llama, mixtral, qwen3_moe,
+        qwen2_moe, olmoe), holding the weights the records stand for (the exporter reads its unquantized tensors).
+      result: None (every weight in ``float_type``), or an :class:`interop.report.QuantizeResult`-like object:
+        ``weights`` (name -> :class:`jgptq.export.GGMLWeight` in nn.Linear (..., out, in) orientation) keyed by
+        model parameter name (a fused expert stack (E, 2I, H) under its parameter), or by checkpoint keys
+        (per-expert, e.g. ``...experts.3.w1.weight``) that ``param_keys`` (parameter -> keys) groups.
+      out: the file to write when it ends in ``.gguf``; otherwise a folder (created when missing) that gets
+        ``model.gguf``.
+      overwrite: replace an existing file.
+      tokenizer: a transformers fast tokenizer with a byte-level BPE vocabulary whose pre-tokenizer llama.cpp
+        implements (GPT-2, Qwen2, Llama 3; see :mod:`interop.gguf_vocab`), or None: the file then gets
+        ``tokenizer.ggml.model = "none"`` and ``vocab_size`` dummy tokens (llama.cpp is fed token ids directly).
+      float_type: ``"f32"``, ``"f16"`` or ``"bf16"`` for every 2-D weight without a record (norms and routers
+        are always f32).
+      file_type: ``general.file_type`` (a llama.cpp LLAMA_FTYPE value); default: from the records' dominant
+        format, or ``float_type``.
+    Returns:
+      The path written.
+    Raises:
+      UnsupportedGGUFModel: an unsupported family or setting (the message lists the supported families).
+      NotImplementedError: a tokenizer llama.cpp would tokenize differently (SentencePiece, other patterns...).
+      ValueError: a record of the wrong type, shape or format (rows not a multiple of its block), a record for a
+        norm or router, or keys that belong to no parameter. FileExistsError: ``out`` exists, no ``overwrite``.
+    """
+    if float_type not in FLOAT_TYPES:
+        raise ValueError(f"float_type {float_type!r} is not one of {FLOAT_TYPES}")
+    spec = arch_of(model)
+    vocab = {gguf.Keys.Tokenizer.MODEL: "none"}
+    if tokenizer is not None:
+        vocab = vocab_metadata(tokenizer, int(model.config.vocab_size))
+    path = _output_path(out)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    state = model.state_dict()
+    plan = targets(model, spec)
+    params = {p: tuple(_shape(model, p, t)) for p, t in state.items()}
+    records = _assemble(model, result, params) if result is not None else {}
+    for param, rec in records.items():
+        if tuple(rec.shape) != params[param]:
+            raise ValueError(f"{param}: record shape {tuple(rec.shape)} does not match the parameter "
+                             f"{params[param]} (nn.Linear orientation)" + _block_hint(params[param], rec))
+        if any(t.role in ("norm", "router") for t in plan[param]):
+            raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
+                             f"the result")
+
+    for param in records:
+        if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
+            plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
+
+    tensors, formats = [], Counter()
+    freqs = rope_freqs(model.config)
+    if freqs is not None:
+        tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs, "f32"))
+    for param, entries in plan.items():
+        rec, full = records.get(param), params[param]
+        for t in entries:
+            shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
+            shape = (int(np.prod(shape)),) if t.flat else shape
+            if rec is not None:
+                tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
+                formats[rec.format] += int(np.prod(shape))
+                continue
+            kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
+            tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,
+                                      shape))
+    if spec.output_required and not any(t.name == "output.weight" for t in tensors):
+        raise UnsupportedGGUFModel(f"{type(model).__name__}: llama.cpp's {spec.name} needs an output head")
+
+    meta = {gguf.Keys.General.NAME: type(model).__name__}
+    meta.update(metadata(model, spec))
+    meta[gguf.Keys.General.FILE_TYPE] = int(file_type if file_type is not None else _file_type(formats, float_type))
+    meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
+    meta.update(vocab)
+    return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
+
+
+def _shape(model, param: str, tensor: torch.Tensor) -> tuple:
+    shape = tuple(tensor.shape)
+    module = None
+    try:
+        module = model.get_submodule(param.rpartition(".")[0])
+    except AttributeError:
+        pass
+    if module is not None and models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed:
+        shape = shape[:-2] + (shape[-1], shape[-2])
+    return shape
+
+
+def _block_hint(shape: tuple, rec: GGMLWeight) -> str:
+    if shape and shape[-1] % rec.block_size:
+        return (f"; its rows of {shape[-1]} values are not a multiple of the {rec.format} block "
+                f"({rec.block_size}), so this format cannot hold it")
+    return ""
+
+
+def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0,
+                   overwrite: bool = False):
+    """Writes ``imatrix`` (model parameter name -> :class:`jgptq.imatrix.ImatrixEntry`) as a GGUF imatrix file
+    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry).
+
+    Args:
+      model: the transformers model of a supported family (the names of :func:`gguf_names`).
+      imatrix: parameter name (``state_dict`` naming) -> entry with ``sums`` float32 (E, in_features) and
+        ``counts`` float32 (E,) (E = 1 for a dense weight), e.g. ``result.imatrix`` of a GGML run.
+      path, datasets, chunk_count, chunk_size, overwrite: passed to :func:`jgptq.imatrix.write_imatrix`.
+    Returns:
+      The path written.
+    Raises:
+      ValueError: a name that is not a parameter of the model, a parameter with no GGUF tensor, or an entry whose
+        shape does not match its parameter (experts x input columns).
+    """
+    from jgptq.imatrix import ImatrixEntry, write_imatrix
+
+    spec = arch_of(model)
+    plan = targets(model, spec)
+    state = model.state_dict()
+    entries = {}
+    for param, entry in imatrix.items():
+        if param not in plan:
+            raise ValueError(f"imatrix entry {param!r} is not a parameter of {type(model).__name__}")
+        shape = _shape(model, param, state[param])
+        if len(shape) < 2 or any(t.role in ("norm", "router") for t in plan[param]):
+            raise ValueError(f"imatrix entry {param!r}: llama.cpp quantizes no norm or router; leave it out")
+        sums = np.asarray(entry[0], np.float32)
+        sums = sums[None] if sums.ndim == 1 else sums
+        experts = shape[0] if len(shape) == 3 else 1
+        if sums.shape != (experts, shape[-1]):
+            raise ValueError(f"imatrix entry {param!r}: sums {sums.shape} do not match the parameter {shape} "
+                             f"(expected ({experts}, {shape[-1]}))")
+        for t in plan[param]:
+            entries[t.name] = ImatrixEntry(sums, np.asarray(entry[1], np.float32).reshape(-1))
+    return write_imatrix(path, entries, datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size,
+                         overwrite=overwrite)

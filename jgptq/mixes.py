@@ -1,0 +1,120 @@
+"""Which GGML format each weight of a model gets: explicit rules and llama.cpp's mixes (``Q4_K_M`` and friends).
+
+A weight is named relative to its decoder layer, as the pipeline sees it: ``self_attn.v_proj``,
+``mlp.down_proj``, ``mlp.experts.down_proj`` (a fused experts stack), ``mlp.experts.gate_up_proj``. The format of a
+weight is, in order: the first matching ``(regex, format)`` rule of ``PipelineConfig.formats`` (``re.search``);
+else the rule of the preset ``PipelineConfig.mix``; else the default ``QuantConfig.format``.
+
+Presets follow llama.cpp's ``llama_tensor_get_type_impl`` (``src/llama-quant.cpp``) for the weights of decoder
+layers (the output head and embeddings are not the pipeline's), with ``n_layer`` the model's decoder layers,
+``i`` the layer index and ``use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``:
+
+==========  ======  ==========================================================================================
+preset      base    raised tensors
+==========  ======  ==========================================================================================
+q4_k_m      q4_k    attn_v: q6_k where use_more_bits; ffn_down (dense, shared and experts): q6_k where
+                    use_more_bits; attn_qkv: q5_k
+q5_k_m      q5_k    attn_v and ffn_down: q6_k where use_more_bits; attn_qkv: q6_k
+q4_k_s      q4_k    attn_v: q5_k in the first 4 layers; ffn_down: q5_k where i < n/8
+q5_k_s      q5_k    (none)
+q3_k_m      q3_k    attn_v: q5_k in the first 2 layers, else q4_k; ffn_down: q5_k where i < n/16, else q4_k;
+                    attn_output and attn_qkv: q4_k
+q6_k        q6_k    (none)
+==========  ======  ==========================================================================================
+
+and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and,
+in q4_k_m, q4_k_s and q3_k_m, attn_output q5_k. Categories: attn_v = ``v_proj`` or ``kv_b_proj``, attn_k =
+``k_proj``, attn_output = ``o_proj``/``out_proj``, attn_qkv = ``qkv_proj``/``query_key_value``/``Wqkv``,
+ffn_down = ``down_proj``/``w2`` (in any MLP or experts module). llama.cpp's counter of attn_v tensors equals the
+layer index for models with one attn_v per layer, which is what is used here.
+"""
+
+from __future__ import annotations
+
+import re
+
+PRESETS = {"q4_k_m": "q4_k", "q5_k_m": "q5_k", "q4_k_s": "q4_k", "q5_k_s": "q5_k", "q3_k_m": "q3_k",
+           "q6_k": "q6_k"}
+# llama.cpp refuses to quantize these types without an importance matrix (``tensor_requires_imatrix``).
+NEEDS_IMPORTANCE = ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_m", "iq1_s")
+# llama.cpp's ``tensor_type_fallback``: a format for rows that are not a whole number of the wanted block.
+LLAMA_FALLBACK = {"iq1_s": "iq4_nl", "iq1_m": "iq4_nl", "iq2_xxs": "iq4_nl", "iq2_xs": "iq4_nl",
+                  "iq2_s": "iq4_nl", "iq3_xxs": "iq4_nl", "iq3_s": "iq4_nl", "iq4_xs": "iq4_nl", "q2_k": "q4_0",
+                  "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+_CATEGORIES = (
+    ("attn_qkv", re.compile(r"(^|\.)(qkv_proj|query_key_value|Wqkv)$")),
+    ("attn_v", re.compile(r"(^|\.)(v_proj|kv_b_proj)$")),
+    ("attn_k", re.compile(r"(^|\.)k_proj$")),
+    ("attn_output", re.compile(r"(^|\.)(o_proj|out_proj)$")),
+    ("ffn_down", re.compile(r"(^|\.)(down_proj|w2)$")),
+)
+
+
+def category(name: str) -> str:
+    """llama.cpp's tensor category of a weight named relative to its layer (``"other"`` if none applies)."""
+    for cat, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's layer pattern for extra precision (first and last eighth, every third layer between)."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int) -> str:
+    """The format llama.cpp's mix ``preset`` gives the weight ``name`` of decoder layer ``layer``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown mix preset {preset!r}; choose one of {sorted(PRESETS)}")
+    base = PRESETS[preset]
+    cat = category(name)
+    more = use_more_bits(layer, n_layers)
+    if cat == "attn_v":
+        out = base
+        if preset in ("q4_k_m", "q5_k_m") and more:
+            out = "q6_k"
+        elif preset == "q4_k_s" and layer < 4:
+            out = "q5_k"
+        elif preset == "q3_k_m":
+            out = "q5_k" if layer < 2 else "q4_k"
+        return "q8_0" if n_expert == 8 else out
+    if cat == "attn_k":
+        return "q8_0" if n_expert == 8 else base
+    if cat == "ffn_down":
+        if preset in ("q4_k_m", "q5_k_m") and more:
+            return "q6_k"
+        if preset == "q4_k_s" and layer < n_layers // 8:
+            return "q5_k"
+        if preset == "q3_k_m":
+            return "q5_k" if layer < n_layers // 16 else "q4_k"
+        return base
+    if cat == "attn_output":
+        if n_expert == 8 and preset in ("q4_k_m", "q4_k_s", "q3_k_m"):
+            return "q5_k"
+        return "q4_k" if preset == "q3_k_m" else base
+    if cat == "attn_qkv":
+        return {"q4_k_m": "q5_k", "q5_k_m": "q6_k", "q3_k_m": "q4_k"}.get(preset, base)
+    return base
+
+
+def format_for(config, name: str, layer: int, n_layers: int, n_expert: int) -> str:
+    """The format of weight ``name`` (relative to its decoder layer) under a :class:`jgptq.config.PipelineConfig`:
+    first matching ``config.formats`` rule, else ``config.mix``'s choice, else ``config.quant.format``."""
+    for pattern, fmt in config.formats:
+        if re.search(pattern, name):
+            return fmt
+    if config.mix is not None:
+        return preset_format(config.mix, name, layer, n_layers, n_expert)
+    return config.quant.format
+
+
+def possible_formats(config) -> set:
+    """Every format a run under ``config`` may use (for checks made before any work)."""
+    out = {config.quant.format} | {f for _, f in config.formats}
+    if config.mix is not None:
+        out |= {PRESETS[config.mix], "q5_k", "q6_k", "q8_0", "q4_k"}
+    if config.block_fallback not in ("error", "llama.cpp"):
+        out.add(config.block_fallback)
+    return out

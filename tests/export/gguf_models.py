@@ -1,0 +1,71 @@
+"""Tiny models of the GGUF families, and GGML records of their weights encoded with jgptq's plain encoder."""
+
+import types
+
+import numpy as np
+import torch
+
+from jgptq.export.records import GGMLWeight
+from jgptq.ggml import encode
+from jgptq.ggml.registry import get_format
+from tests.tiny_models import build
+
+# hidden and expert widths of 256: every K/IQ format (block 256) fits every weight
+SIZES = {
+    "llama": dict(hidden_size=256, intermediate_size=256, head_dim=64),
+    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, head_dim=64),
+    "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2),
+    "olmoe": dict(hidden_size=256, intermediate_size=256, num_key_value_heads=4),
+    "qwen2_moe": dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=256),
+}
+
+
+def tiny(family: str, seed: int = 0):
+    return build(family, seed=seed, **SIZES[family])
+
+
+def is_target(name: str, param) -> bool:
+    """The weights a GGML quantization run holds records for: 2-D/3-D weights but routers, norms, embeddings
+    and the output head."""
+    return (param.ndim >= 2 and ".mlp.gate." not in name and "shared_expert_gate" not in name and "embed" not in name
+            and "lm_head" not in name)
+
+
+def quantize_in_place(model, fmt: str) -> types.SimpleNamespace:
+    """Encodes every target weight of ``model`` in ``fmt`` (nn.Linear orientation), writes the decoded values
+    back, and returns a result whose ``weights`` are keyed by parameter name (fused stacks whole)."""
+    f = get_format(fmt)
+    weights = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_target(name, p):
+                continue
+            w = p.detach().float().numpy()
+            payload = np.asarray(encode(w, fmt)).reshape(w.shape[:-1] + (w.shape[-1] // f.block_size, f.type_size))
+            rec = GGMLWeight(payload, fmt, method="rtn")
+            p.copy_(torch.from_numpy(np.array(rec.dequantize())))
+            weights[name] = rec
+    return types.SimpleNamespace(weights=weights, param_keys={name: [name] for name in weights})
+
+
+def per_expert(model, result) -> types.SimpleNamespace:
+    """The same records under the checkpoint keys of ``save_pretrained`` (per-expert names where it has them)."""
+    from interop import models
+
+    params = {}
+    for name, rec in result.weights.items():
+        shape = rec.shape
+        params[name] = (shape[0] if len(shape) == 3 else None, shape[-2], False)
+    places = models.checkpoint_names(model, params)
+    weights, keys = {}, {}
+    for name, entries in places.items():
+        rec = result.weights[name]
+        for key, expert, rows in entries:
+            rows = rows.numpy()
+            sub = rec if expert is None else rec[expert]
+            if expert is not None or len(rec.shape) == 2:
+                sub = GGMLWeight(sub.payload[rows], sub.format, method=sub.method)
+            weights[key] = sub
+            keys.setdefault(name, []).append(key)
+    return types.SimpleNamespace(weights=weights, param_keys=keys)

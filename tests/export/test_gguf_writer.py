@@ -1,0 +1,136 @@
+"""jgptq.export.gguf: GGUF files read back with the gguf package's own reader and decoder."""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+from jgptq.export.gguf import GGUFTensor, write_gguf
+
+
+def _reader(path):
+    r = gguf.GGUFReader(str(path))
+    return r, {t.name: t for t in r.tensors}
+
+
+def _field(reader, key):
+    f = reader.fields[key]
+    if f.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode()
+    if f.types[0] == gguf.GGUFValueType.ARRAY:
+        if f.types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode() for i in f.data]
+        return [f.parts[i][0].item() for i in f.data]
+    return f.parts[f.data[0]][0].item()
+
+
+def test_float_and_block_tensors_round_trip(tmp_path, rng):
+    w32 = rng.standard_normal((6, 64)).astype(np.float32)
+    w16 = rng.standard_normal((3, 5, 32)).astype(np.float32)
+    norm = rng.standard_normal(64).astype(np.float32)
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 96)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    stack = gguf.quants.quantize(rng.standard_normal((3, 8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    blocks8 = q8.reshape(4, 3, 34)
+    blocks4 = stack.reshape(3, 8, 2, 18)
+    path = write_gguf(tmp_path / "m.gguf", "llama",
+                      {"llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+                       "general.name": "tiny", "tokenizer.ggml.tokens": ["a", "b"], "ids": [1, 2, 3],
+                       "flag": True, "neg": (-3, gguf.GGUFValueType.INT32)},
+                      [GGUFTensor("a", w32, "f32"), GGUFTensor("b", w16, "f16"), GGUFTensor("n", norm, "f32"),
+                       GGUFTensor("q", blocks8, "q8_0"), GGUFTensor("s", blocks4, "Q4_0")])
+    reader, t = _reader(path)
+    assert [x.name for x in reader.tensors] == ["a", "b", "n", "q", "s"]
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "llama.block_count") == 2
+    assert reader.fields["llama.block_count"].types == [gguf.GGUFValueType.UINT32]
+    assert _field(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
+    assert _field(reader, "tokenizer.ggml.tokens") == ["a", "b"]
+    assert _field(reader, "ids") == [1, 2, 3] and _field(reader, "flag") is True and _field(reader, "neg") == -3
+    # ne order is numpy order reversed
+    assert list(t["a"].shape) == [64, 6] and t["a"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert list(t["b"].shape) == [32, 5, 3] and t["b"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert list(t["q"].shape) == [96, 4] and t["q"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert list(t["s"].shape) == [64, 8, 3] and t["s"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert np.array_equal(np.asarray(t["a"].data).reshape(6, 64), w32)
+    assert np.array_equal(np.asarray(t["b"].data).reshape(3, 5, 32), w16.astype(np.float16))
+    assert np.array_equal(np.asarray(t["n"].data), norm)
+    assert np.array_equal(np.asarray(t["q"].data).reshape(-1), q8.reshape(-1))
+    assert np.array_equal(np.asarray(t["s"].data).reshape(-1), stack.reshape(-1))
+    got = gguf.quants.dequantize(np.asarray(t["s"].data), gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(got.reshape(3, 8, 64), gguf.quants.dequantize(stack, gguf.GGMLQuantizationType.Q4_0))
+
+
+def test_bf16(tmp_path, rng):
+    w = rng.standard_normal((4, 32)).astype(np.float32)
+    reader, t = _reader(write_gguf(tmp_path / "b.gguf", "llama", {}, [GGUFTensor("w", w, "bf16")]))
+    assert t["w"].tensor_type == gguf.GGMLQuantizationType.BF16 and list(t["w"].shape) == [32, 4]
+    got = gguf.quants.dequantize(np.asarray(t["w"].data), gguf.GGMLQuantizationType.BF16).reshape(4, 32)
+    bits = w.view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)  # round to nearest even
+    assert np.array_equal(got, rounded)
+
+
+def test_overwrite_and_atomicity(tmp_path, rng):
+    path = tmp_path / "m.gguf"
+    w = rng.standard_normal((2, 32)).astype(np.float32)
+    write_gguf(path, "llama", {}, [GGUFTensor("w", w, "f32")])
+    before = path.read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write_gguf(path, "llama", {}, [GGUFTensor("w", w, "f32")])
+    # a failure while writing leaves the old file and no temporary file
+    with pytest.raises(ValueError, match="float16 range"):
+        write_gguf(path, "llama", {}, [GGUFTensor("w", w * 1e6, "f16")], overwrite=True)
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
+    write_gguf(path, "llama", {}, [GGUFTensor("w", 2 * w, "f32")], overwrite=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+    _, t = _reader(path)
+    assert np.array_equal(np.asarray(t["w"].data).reshape(2, 32), 2 * w)
+
+
+def test_errors(tmp_path, rng):
+    q = np.zeros((4, 3, 34), np.uint8)
+    with pytest.raises(ValueError, match="unknown GGML type"):
+        GGUFTensor("w", q, "q9_9")
+    with pytest.raises(ValueError, match=r"q4_k blocks must have shape \(\.\.\., rows, cols/256, 144\)"):
+        GGUFTensor("w", q, "q4_k")
+    with pytest.raises(ValueError, match="uint8 block bytes"):
+        GGUFTensor("w", q.astype(np.int32), "q8_0")
+    with pytest.raises(ValueError, match="needs float data"):
+        GGUFTensor("w", q, "f32")
+    with pytest.raises(ValueError, match="appears twice"):
+        write_gguf(tmp_path / "d.gguf", "llama", {}, [GGUFTensor("w", q, "q8_0"), GGUFTensor("w", q, "q8_0")])
+    with pytest.raises(ValueError, match="negative integer"):
+        write_gguf(tmp_path / "d.gguf", "llama", {"x": -1}, [])
+    with pytest.raises(ValueError, match="differs from arch"):
+        write_gguf(tmp_path / "d.gguf", "llama", {"general.architecture": "qwen3moe"}, [])
+    assert not (tmp_path / "d.gguf").exists()
+
+
+def test_loaders_are_called_when_written(tmp_path, rng):
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(4, 2, 34)
+    calls = []
+
+    def load(x):
+        def f():
+            calls.append(x.shape)
+            return x
+        return f
+
+    tensors = [GGUFTensor("w", load(w), "f16", shape=(4, 64)), GGUFTensor("q", load(blocks), "q8_0", shape=(4, 64))]
+    assert calls == []
+    _, t = _reader(write_gguf(tmp_path / "l.gguf", "llama", {}, tensors))
+    assert calls == [(4, 64), (4, 2, 34)]
+    assert np.array_equal(np.asarray(t["w"].data).reshape(4, 64), w.astype(np.float16))
+    assert np.array_equal(np.asarray(t["q"].data).reshape(-1), blocks.reshape(-1))
+    with pytest.raises(ValueError, match="needs the tensor's shape"):
+        GGUFTensor("w", load(w), "f32")
+    with pytest.raises(ValueError, match=r"rows of 48 values are not a multiple of the q4_k block \(256\)"):
+        GGUFTensor("w", load(w), "q4_k", shape=(4, 48))
+    with pytest.raises(ValueError, match="differs from its declared shape"):
+        write_gguf(tmp_path / "m.gguf", "llama", {}, [GGUFTensor("q", load(blocks), "q8_0", shape=(4, 96))])
+    assert not (tmp_path / "m.gguf").exists() and sorted(os.listdir(tmp_path)) == ["l.gguf"]
