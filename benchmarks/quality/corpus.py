@@ -68,7 +68,12 @@ def split(data: bytes, piece: int = 8192) -> Split:
 
 
 def windows(tokens: np.ndarray, length: int, limit: int | None = None) -> np.ndarray:
-    """Consecutive non-overlapping windows of ``length`` tokens: int64 (n, length); a short tail is dropped."""
+    """Consecutive non-overlapping windows of ``length`` tokens: int64 (n, length); a short tail is dropped.
+
+    On a split's tokens, a window never spans two pieces when the piece size is a multiple of ``length`` and the
+    split's pieces are whole (the defaults: pieces of 8192 bytes, windows of 256; only the corpus's last piece is
+    shorter, and it falls in the training split).
+    """
     if length < 2:
         raise ValueError(f"length: {length} must be at least 2 tokens")
     n = len(tokens) // length
