@@ -1,0 +1,158 @@
+"""llama.cpp's side of the benchmark, through the ``llama_cpp`` package (llama-cpp-python's ctypes bindings).
+
+- :func:`read_imatrix`: the importance vectors ``llama-quantize --imatrix FILE`` would load from a GGUF imatrix file
+  (``<tensor>.in_sum2`` / ``<tensor>.counts``; per matrix ``sums / count``, or 1.0 where count is 0, in float32).
+- :func:`quantize`: ``llama_model_quantize`` of a float GGUF at one format with those vectors as
+  ``params.imatrix`` entries, every weight tensor at the format (``pure``), token embedding and output head kept at
+  the given type.
+- :func:`tensor_types` / :func:`weight_bits`: what a GGUF holds, read back with ``gguf.GGUFReader``.
+- :func:`logits`: every position's logits of every window, each window evaluated from an empty context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+
+# llama_ftype of each format: with ``pure`` every quantizable tensor gets the ftype's base type.
+FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+          "iq3_xxs": "LLAMA_FTYPE_MOSTLY_IQ3_XXS", "iq2_xxs": "LLAMA_FTYPE_MOSTLY_IQ2_XXS",
+          "iq1_s": "LLAMA_FTYPE_MOSTLY_IQ1_S", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+          "q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S", "q3_k": "LLAMA_FTYPE_MOSTLY_Q3_K_S", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+          "iq2_xs": "LLAMA_FTYPE_MOSTLY_IQ2_XS", "iq3_s": "LLAMA_FTYPE_MOSTLY_IQ3_XS",
+          "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq1_m": "LLAMA_FTYPE_MOSTLY_IQ1_M"}
+
+
+def available() -> bool:
+    """True when the ``llama_cpp`` package imports."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def read_imatrix(path: str) -> dict:
+    """Importance vectors from a GGUF imatrix file, as llama.cpp's quantize tool derives them.
+
+    Returns {tensor name: float32 (n_mat * ne0,)}: for each of the n_mat matrices (experts) of the tensor,
+    ``in_sum2 / count`` when count > 0, else 1.0, concatenated matrix after matrix.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    sums, counts = {}, {}
+    for t in reader.tensors:
+        if t.name.endswith(".in_sum2"):
+            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, dtype=np.float32).reshape(-1, int(t.shape[0]))
+        elif t.name.endswith(".counts"):
+            counts[t.name[:-len(".counts")]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if set(sums) != set(counts):
+        raise ValueError(f"{path}: tensors without both in_sum2 and counts: {sorted(set(sums) ^ set(counts))}")
+    out = {}
+    for name, s in sums.items():
+        c = counts[name]
+        if c.shape[0] != s.shape[0]:
+            raise ValueError(f"{path}: {name}.counts has {c.shape[0]} entries for {s.shape[0]} matrices")
+        v = np.ones_like(s)
+        live = c > 0
+        v[live] = s[live] / c[live, None]
+        out[name] = np.ascontiguousarray(v.reshape(-1), dtype=np.float32)
+    return out
+
+
+def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: str = "F32", threads: int = 2) -> float:
+    """``llama_model_quantize(src -> dst)`` at ``fmt`` for every weight tensor; returns the seconds it took.
+
+    Args:
+      src: a float GGUF (F32 or F16 tensors).
+      fmt: a jgptq/GGML format name (see :data:`FTYPES`).
+      imatrix: {tensor name: float32 importance (already divided by counts, experts concatenated)} or None.
+      keep_type: GGML type name the token embedding and output head are stored in (``"F32"`` keeps the float
+        model's; the output head is never quantized).
+    """
+    import gguf
+    import llama_cpp
+
+    if fmt not in FTYPES:
+        raise ValueError(f"format {fmt!r}: no llama.cpp ftype known (known: {sorted(FTYPES)})")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = int(threads)
+    params.ftype = getattr(llama_cpp, FTYPES[fmt])
+    params.pure = True
+    params.quantize_output_tensor = False
+    keep = int(gguf.GGMLQuantizationType[keep_type.upper()])
+    params.output_tensor_type = keep
+    params.token_embedding_type = keep
+    keep_alive = []
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(sorted(imatrix.items())):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
+            encoded = name.encode()
+            keep_alive += [arr, encoded]
+            entries[i].name = encoded
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        entries[len(imatrix)].name = None  # the list ends with a null name
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep_alive.append(entries)
+    if os.path.exists(dst):
+        os.remove(dst)
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    seconds = time.perf_counter() - t0
+    del keep_alive
+    if rc != 0 or not os.path.exists(dst):
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {fmt}) failed with status {rc}")
+    return seconds
+
+
+def tensor_types(path: str) -> dict:
+    """{tensor name: GGML type name} of a GGUF file."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def tensor_bytes(path: str, names) -> dict:
+    """{name: uint8 bytes} of the named tensors of a GGUF file."""
+    import gguf
+
+    wanted = set(names)
+    return {t.name: np.array(t.data).view(np.uint8).reshape(-1) for t in gguf.GGUFReader(path).tensors
+            if t.name in wanted}
+
+
+def weight_bits(path: str, names=None) -> dict:
+    """Bits per weight over the named tensors (default: every tensor of more than one dimension)."""
+    import gguf
+
+    bits = elements = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if (names is None and len(t.shape) > 1) or (names is not None and t.name in names):
+            bits += int(t.n_bytes) * 8
+            elements += int(t.n_elements)
+    return {"bits": bits, "weights": elements, "bits_per_weight": bits / max(elements, 1)}
+
+
+def logits(path: str, windows: np.ndarray, *, threads: int = 2) -> np.ndarray:
+    """float32 (n, n_ctx, V) logits of every position of each int window (n, n_ctx), each from an empty context."""
+    import llama_cpp
+
+    n, n_ctx = windows.shape
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    try:
+        vocab = llm.n_vocab()
+        out = np.empty((n, n_ctx, vocab), dtype=np.float32)
+        for i in range(n):
+            llm.reset()
+            llm.eval([int(t) for t in windows[i]])
+            out[i] = llm.scores[:n_ctx]
+    finally:
+        llm.close()
+    return out

@@ -1,0 +1,149 @@
+"""The benchmark's language model: a small Qwen3-MoE over bytes, trained here on the corpus's training split.
+
+Every weight row the quantizers see is several GGML super-blocks of 256 long, so that GPTQ has later blocks of a row
+to carry each block's error into: hidden 1024 (q/k/v and expert gate/up rows: 4 blocks), 8 query and 4 key-value
+heads of 128 (o rows: 4 blocks), 8 experts of width 512 (down rows: 2 blocks), top-2 routing, 2 decoder layers
+(32 M parameters). With rows of a single block GPTQ has nothing to compensate with and gives exactly the plain
+encoding. The vocabulary is the 256 byte values. Training is plain next-byte cross entropy plus the model's own
+router load-balancing loss, AdamW with a linear warm-up and cosine decay, on random windows of the training split
+drawn from a seeded generator. The trained model is saved with
+``save_pretrained`` (safetensors) in ``<cache_dir>/lm-<key>``, the key hashing every hyperparameter and the corpus
+digest, so a rerun with the same settings loads it instead of training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from benchmarks.quality.corpus import VOCAB
+
+ARCH = dict(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=1024,
+            norm_topk_prob=True, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, router_aux_loss_coef=0.01)
+TRAIN = dict(steps=200, batch=8, length=256, lr=2e-3, warmup=40, weight_decay=0.1, clip=1.0, seed=0)
+
+
+def cache_key(arch: dict, train: dict, corpus_digest: str) -> str:
+    """A short hash of everything the trained weights depend on."""
+    blob = json.dumps({"arch": arch, "train": train, "corpus": corpus_digest, "version": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build(arch: dict = ARCH, seed: int = 0):
+    """A freshly initialised float32 ``Qwen3MoeForCausalLM`` with ``arch``."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**arch)).float()
+
+
+def mean_loss(model, windows: np.ndarray, batch: int = 16, first: int = 0) -> float:
+    """Mean next-token cross entropy (nats) of ``model`` on int64 windows (n, L), scoring predictions of tokens
+    ``first + 1 .. L - 1`` of every window (``first = L // 2`` is llama.cpp's perplexity convention)."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(windows), batch):
+            ids = torch.from_numpy(windows[i:i + batch])
+            logits = model(input_ids=ids).logits.double()
+            logp = torch.log_softmax(logits[:, first:-1], -1)
+            nll = -logp.gather(-1, ids[:, first + 1:, None]).squeeze(-1)
+            total += float(nll.sum())
+            count += nll.numel()
+    return total / count
+
+
+def train(model, tokens: np.ndarray, cfg: dict, log=print) -> dict:
+    """Trains ``model`` in place on random windows of ``tokens`` (uint8 bytes). Returns the loss history."""
+    import torch
+
+    g = np.random.default_rng(cfg["seed"])
+    torch.manual_seed(cfg["seed"])
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg["lr"], betas=(0.9, 0.95))
+
+    def lr_at(step):
+        if step < cfg["warmup"]:
+            return cfg["lr"] * (step + 1) / cfg["warmup"]
+        frac = (step - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
+        return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    model.train()
+    history, t0 = [], time.perf_counter()
+    span = len(tokens) - cfg["length"] - 1
+    for step in range(cfg["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        starts = g.integers(0, span, cfg["batch"])
+        ids = torch.from_numpy(np.stack([tokens[s:s + cfg["length"]] for s in starts]).astype(np.int64))
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+        aux = getattr(out, "aux_loss", None)
+        lm_loss = float(out.loss.detach())
+        if aux is not None:  # the logged figure is the language-model loss alone
+            lm_loss -= float(aux.detach()) * model.config.router_aux_loss_coef
+        history.append(lm_loss)
+        if step % 50 == 0 or step == cfg["steps"] - 1:
+            log(f"train step {step}/{cfg['steps']}: loss {lm_loss:.3f} ({time.perf_counter() - t0:.0f} s)")
+    model.eval()
+    return {"loss_history": history[::10], "final_train_loss": float(np.mean(history[-20:])),
+            "train_s": time.perf_counter() - t0}
+
+
+def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | None = None, arch: dict = ARCH,
+                  log=print):
+    """The trained model for these settings, from ``cache_dir`` when present, else trained and cached.
+
+    Returns (model in eval mode, float32; info dict with the cache folder, training figures and held-out loss).
+    """
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = dict(TRAIN, **({} if steps is None else {"steps": int(steps)}))
+    if cfg["steps"] < 1:
+        raise ValueError(f"train steps: {cfg['steps']} must be at least 1")
+    folder = os.path.join(cache_dir, f"lm-{cache_key(arch, cfg, corpus_digest)}")
+    info_path = os.path.join(folder, "train_info.json")
+    if os.path.exists(info_path):
+        model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype="float32").eval()
+        with open(info_path) as f:
+            info = json.load(f)
+        info["cached"] = True
+        log(f"loaded the trained model from {folder}")
+        return model, info
+    model = build(arch, cfg["seed"])
+    info = {"arch": arch, "train": cfg, "corpus_sha256": corpus_digest, "folder": folder,
+            "parameters": sum(p.numel() for p in model.parameters())}
+    info.update(train(model, splits.tokens["train"], cfg, log=log))
+    from benchmarks.quality.corpus import windows
+
+    held = windows(splits.tokens["heldout"], cfg["length"])
+    loss = mean_loss(model, held)
+    info.update({"heldout_loss_nats": loss, "heldout_bits_per_byte": loss / math.log(2),
+                 "heldout_windows": len(held)})
+    log(f"held-out loss {loss:.3f} nats/byte = {loss / math.log(2):.3f} bits/byte")
+    tmp = folder + ".tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    with open(os.path.join(tmp, "train_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    if os.path.exists(folder):  # another run finished first: keep its copy
+        import shutil
+
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, folder)
+    info["cached"] = False
+    return model, info
