@@ -35,6 +35,7 @@ from jgptq import hessian
 IMPLEMENTATION = "jgptq_capture"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jgptq_collector", default=None)
 _MAX_ROWS = 1 << 13
+_GROUP_BYTES = 1 << 30  # padded rows of one group of experts passed to the accumulation at once
 
 
 def _bucket(n: int) -> int:
@@ -87,6 +88,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_exp)[:n_exp].tolist()
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    routed = collector is not None and not every
+    down_inputs = []  # routed mode: each expert's down-projection input, in expert order
     start = 0
     for e in range(n_exp):
         sel = order[start:start + counts[e]]
@@ -102,10 +105,13 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                 continue
         x = hidden_states[tok]
         h = _up_projection(self, x, e)
-        if collector is not None and not every:
-            collector.expert_inputs(self, e, x, h, tok)
+        if routed:
+            down_inputs.append(h)
         o = _down_projection(self, h, e)
         out.index_add_(0, tok, (o * top_k_weights[tok, slot, None]).float())
+    if routed and down_inputs:
+        tok = order // k
+        collector.routed_inputs(self, hidden_states[tok], torch.cat(down_inputs), tok, counts)
     return out.to(hidden_states.dtype)
 
 
@@ -289,6 +295,55 @@ class Collector:
         else:
             self._add((name, "gate_up"), x, routed_keep, index=e, size=lay.num_experts, name=f"{name} gate/up")
             self._add((name, "down"), h, routed_keep, index=e, size=lay.num_experts, name=f"{name} down")
+
+    def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
+        """Called once per forward by :func:`experts_forward` in routed mode with every expert's rows at once:
+        gate/up inputs x (R, H) and down inputs h (R, I) sorted by expert (``counts[e]`` rows each), and their
+        token ids ``tok`` (R,). Experts are accumulated in groups (one call per group, not one per expert)."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return
+        n_exp = self.experts[name][1].num_experts
+        keep = None if self._keep is None else self._keep[tok]
+        count_t = torch.as_tensor(counts, device=x.device)
+        expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), count_t)
+        real = count_t if keep is None else torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(
+            0, expert, keep.long())
+        pos = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(count_t, 0) - count_t)[expert]
+        for e, n in enumerate(real.tolist()):
+            self.routed[name][e] += n
+        for part, rows in (("gate_up", x), ("down", h)):
+            self._add_grouped((name, part), rows, expert, pos, keep, max(counts), real.tolist(), n_exp,
+                              f"{name} {'gate/up' if part == 'gate_up' else part}")
+
+    def _add_grouped(self, key, rows, expert, pos, keep, longest: int, real: list, n_exp: int, name: str):
+        c = rows.shape[-1]
+        p = _bucket(min(longest, _MAX_ROWS))
+        group = max(1, min(n_exp, _GROUP_BYTES // (p * c * rows.element_size())))
+        state = self.states.get(key)
+        sq = self.squares.get(key)
+        for start in range(0, n_exp, group):
+            g = min(group, n_exp - start)
+            for offset in range(0, longest, p):
+                sel = (expert >= start) & (expert < start + g) & (pos >= offset) & (pos < offset + p)
+                if not bool(sel.any()):
+                    continue
+                padded = rows.new_zeros((g, p, c))
+                mask = torch.zeros((g, p), dtype=torch.bool, device=rows.device)
+                at = (expert[sel] - start, pos[sel] - offset)
+                padded[at] = rows[sel]
+                mask[at] = True if keep is None else keep[sel]
+                xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+                if state is None:
+                    dev = next(iter(xj.devices()))
+                    state = hessian.init_stacked(n_exp, c, dev)
+                    sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), dev), [0] * n_exp]
+                state, sq[0] = hessian.accumulate_group(state, sq[0], start, xj, mj, input_dtype=self.input_dtype,
+                                                        name=name)
+        if state is not None:
+            for e, n in enumerate(real):
+                sq[1][e] += n
+            self.states[key], self.squares[key] = state, sq
 
     # -- results ---------------------------------------------------------------------------------------------
     def hessian(self, key):
