@@ -2,6 +2,7 @@
 
 import types
 
+import gguf
 import numpy as np
 import torch
 
@@ -69,3 +70,21 @@ def per_expert(model, result) -> types.SimpleNamespace:
             weights[key] = sub
             keys.setdefault(name, []).append(key)
     return types.SimpleNamespace(weights=weights, param_keys=keys)
+
+
+def read(path):
+    """(reader, name -> tensor) of a GGUF file, through the gguf package's own reader."""
+    r = gguf.GGUFReader(str(path))
+    return r, {t.name: t for t in r.tensors}
+
+
+def field(reader, key):
+    """The value of a metadata key: a string, a number, or a list of them."""
+    f = reader.fields[key]
+    if f.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode()
+    if f.types[0] == gguf.GGUFValueType.ARRAY:
+        if f.types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode() for i in f.data]
+        return [f.parts[i][0].item() for i in f.data]
+    return f.parts[f.data[0]][0].item()

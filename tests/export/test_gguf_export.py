@@ -11,7 +11,7 @@ import torch
 from interop.gguf_arch import UnsupportedGGUFModel
 from interop.gguf_export import export_gguf, gguf_names
 from jgptq.export.records import GGMLWeight, QuantizedWeight
-from tests.export.gguf_models import per_expert, quantize_in_place, tiny
+from tests.export.gguf_models import field, per_expert, quantize_in_place, read, tiny
 from tests.tiny_models import build
 
 CASES = {"llama": "q8_0", "qwen3_moe": "q4_k", "mixtral": "q8_0", "olmoe": "q8_0", "qwen2_moe": "q8_0"}
@@ -31,18 +31,6 @@ def hf_permute(w, n_head):
 
 def linear_view(model, name):
     return model.state_dict()[name].detach().float().numpy()  # every tiny family stores (E, out, in)
-
-
-def read(path):
-    reader = gguf.GGUFReader(str(path))
-    return reader, {t.name: t for t in reader.tensors}
-
-
-def field(reader, key):
-    f = reader.fields[key]
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode()
-    return f.parts[f.data[0]][0].item()
 
 
 def heads_of(model, gname):

@@ -7,22 +7,7 @@ import numpy as np
 import pytest
 
 from jgptq.export.gguf import GGUFTensor, write_gguf
-
-
-def _reader(path):
-    r = gguf.GGUFReader(str(path))
-    return r, {t.name: t for t in r.tensors}
-
-
-def _field(reader, key):
-    f = reader.fields[key]
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode()
-    if f.types[0] == gguf.GGUFValueType.ARRAY:
-        if f.types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode() for i in f.data]
-        return [f.parts[i][0].item() for i in f.data]
-    return f.parts[f.data[0]][0].item()
+from tests.export.gguf_models import field as _field, read as _reader
 
 
 def test_float_and_block_tensors_round_trip(tmp_path, rng):
