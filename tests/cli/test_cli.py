@@ -179,3 +179,26 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
     for kind in ("gptq", "compressed-tensors"):   # a mix is GGML: the integer exporters refuse it up front
         with pytest.raises(export.ExportError, match="GGML block format"):
             command.build_config(parsed("--export", kind, "--mix", "q4_k_m"), "float32")
+
+
+def test_quantize_to_gguf_writes_the_blocks_the_run_chose(model_dir, env, tmp_path):
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "m.gguf"
+    done = cli(env, *quantize_args(model_dir, out, "--format", "q8_0", "--export", "gguf", "--tensor-format",
+                                   r"down_proj$=q4_0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.ffn_down_exps.weight"] == "Q4_0"
+    assert types["blk.0.attn_norm.weight"] == types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
+    # the expert blocks decode to float weights of the right shape and the non-expert tensors are unchanged
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    values = gguf.quants.dequantize(down.data, down.tensor_type)
+    assert values.shape == (8, TINY["hidden_size"], TINY["moe_intermediate_size"]) and np.isfinite(values).all()
+    source = load_file(str(next(Path(model_dir).glob("*.safetensors"))))
+    norm = next(t for t in reader.tensors if t.name == "blk.2.attn_norm.weight")
+    np.testing.assert_array_equal(np.asarray(norm.data), source["model.layers.2.input_layernorm.weight"])
