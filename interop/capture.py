@@ -299,7 +299,7 @@ class Collector:
     def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
         """Called once per forward by :func:`experts_forward` in routed mode with every expert's rows at once:
         gate/up inputs x (R, H) and down inputs h (R, I) sorted by expert (``counts[e]`` rows each), and their
-        token ids ``tok`` (R,). Experts are accumulated in groups (one call per group, not one per expert)."""
+        token ids ``tok`` (R,). Experts are accumulated in groups (a few calls per forward, not one per expert)."""
         name = self._module_names.get(id(module))
         if name is None:
             return
@@ -313,33 +313,46 @@ class Collector:
         for e, n in enumerate(real.tolist()):
             self.routed[name][e] += n
         for part, rows in (("gate_up", x), ("down", h)):
-            self._add_grouped((name, part), rows, expert, pos, keep, max(counts), real.tolist(), n_exp,
+            self._add_grouped((name, part), rows, expert, pos, keep, real.tolist(), n_exp,
                               f"{name} {'gate/up' if part == 'gate_up' else part}")
 
-    def _add_grouped(self, key, rows, expert, pos, keep, longest: int, real: list, n_exp: int, name: str):
+    def _add_grouped(self, key, rows, expert, pos, keep, real: list, n_exp: int, name: str):
+        """Experts with a similar number of rows (the same power-of-two bucket) are padded to that bucket and
+        added together, a group of at most ``_GROUP_BYTES`` (a power of two of experts) per call; an expert with
+        more than ``_MAX_ROWS`` rows is added in passes of ``_MAX_ROWS``."""
         c = rows.shape[-1]
-        p = _bucket(min(longest, _MAX_ROWS))
-        group = max(1, min(n_exp, _GROUP_BYTES // (p * c * rows.element_size())))
+        counts = torch.bincount(expert, minlength=n_exp).tolist()
+        levels: dict = {}
+        for e, n in enumerate(counts):
+            if n:
+                levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
         state = self.states.get(key)
         sq = self.squares.get(key)
-        for start in range(0, n_exp, group):
-            g = min(group, n_exp - start)
-            for offset in range(0, longest, p):
-                sel = (expert >= start) & (expert < start + g) & (pos >= offset) & (pos < offset + p)
-                if not bool(sel.any()):
-                    continue
-                padded = rows.new_zeros((g, p, c))
-                mask = torch.zeros((g, p), dtype=torch.bool, device=rows.device)
-                at = (expert[sel] - start, pos[sel] - offset)
-                padded[at] = rows[sel]
-                mask[at] = True if keep is None else keep[sel]
-                xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
-                if state is None:
-                    dev = next(iter(xj.devices()))
-                    state = hessian.init_stacked(n_exp, c, dev)
-                    sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), dev), [0] * n_exp]
-                state, sq[0] = hessian.accumulate_group(state, sq[0], start, xj, mj, input_dtype=self.input_dtype,
-                                                        name=name)
+        slot_of = torch.full((n_exp,), -1, dtype=torch.long, device=rows.device)
+        for p, members in sorted(levels.items()):
+            most = max(1, _GROUP_BYTES // (p * c * rows.element_size()))
+            most = 1 << (most.bit_length() - 1)
+            for i in range(0, len(members), most):
+                chunk = members[i:i + most]
+                g = min(most, 1 << (len(chunk) - 1).bit_length())
+                slot_of.fill_(-1)
+                slot_of[chunk] = torch.arange(len(chunk), device=rows.device)
+                slot = slot_of[expert]
+                index = chunk + [chunk[0]] * (g - len(chunk))  # padding slots add nothing
+                for offset in range(0, max(counts[e] for e in chunk), p):
+                    sel = (slot >= 0) & (pos >= offset) & (pos < offset + p)
+                    padded = rows.new_zeros((g, p, c))
+                    mask = torch.zeros((g, p), dtype=torch.bool, device=rows.device)
+                    at = (slot[sel], pos[sel] - offset)
+                    padded[at] = rows[sel]
+                    mask[at] = True if keep is None else keep[sel]
+                    xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+                    if state is None:
+                        dev = next(iter(xj.devices()))
+                        state = hessian.init_stacked(n_exp, c, dev)
+                        sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), dev), [0] * n_exp]
+                    state, sq[0] = hessian.accumulate_group(state, sq[0], index, xj, mj,
+                                                            input_dtype=self.input_dtype, name=name)
         if state is not None:
             for e, n in enumerate(real):
                 sq[1][e] += n

@@ -157,8 +157,7 @@ def accumulate_at(state: HessianState, index: int, x, mask=None, *, input_dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1))
-def _accumulate_group(state: HessianState, sums, start, x, mask, input_dtype: str):
-    g = x.shape[0]
+def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: str):
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     if input_dtype == "bfloat16":
         xb = x.astype(jnp.bfloat16)
@@ -167,35 +166,35 @@ def _accumulate_group(state: HessianState, sums, start, x, mask, input_dtype: st
         xf = x.astype(jnp.float32)
         h = jax.lax.dot_general(xf, xf, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
-    old = jax.lax.dynamic_slice_in_dim(state.hessian_sum, start, g, 0)
-    hs = jax.lax.dynamic_update_slice_in_dim(state.hessian_sum, old + h, start, 0)
-    n = jax.lax.dynamic_slice_in_dim(state.token_count, start, g, 0) + jnp.sum(mask, axis=1, dtype=jnp.int32)
-    counts = jax.lax.dynamic_update_slice_in_dim(state.token_count, n, start, 0)
+    counts = jnp.sum(mask, axis=1, dtype=jnp.int32)
     sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
-    sums = jax.lax.dynamic_update_slice_in_dim(sums, jax.lax.dynamic_slice_in_dim(sums, start, g, 0) + sq, start, 0)
-    return HessianState(hs, counts), sums
+    return (HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts)),
+            sums.at[index].add(sq))
 
 
-def accumulate_group(state: HessianState, sums, start: int, x, mask, *, input_dtype: str = "float32",
+def accumulate_group(state: HessianState, sums, index, x, mask, *, input_dtype: str = "float32",
                      name: str = "activations"):
-    """Adds padded rows of a group of consecutive experts to a stacked state and its sums of squares, in one call.
+    """Adds padded rows of a group of experts to a stacked state and its sums of squares, in one call.
 
     Args:
       state: stacked state (E, C, C) / (E,) (:func:`init_stacked`), donated.
       sums: float32 (E, C) per-column sums of x^2 (the importance statistic of :func:`accumulate_squares`), donated.
-      start: the first expert of the group; the group is ``start .. start + G - 1``.
-      x: float (G, P, C): P rows per expert (padding rows anywhere, excluded by ``mask``).
+      index: int (G,): the expert each slot of the group adds to (a slot whose mask is all False adds nothing, so
+        padding slots may name any expert).
+      x: float (G, P, C): P rows per slot (padding rows anywhere, excluded by ``mask``).
       mask: bool (G, P), True for real rows.
     Returns:
       (state, sums), updated. Each expert's entries equal :func:`accumulate_at` / :func:`accumulate_squares`
       of its real rows (up to float32 summation order).
     """
     _check_batch(state, x, mask, input_dtype, name)
-    e, g = state.hessian_sum.shape[0], x.shape[0]
-    if x.ndim != 3 or not 0 <= int(start) <= e - g or sums.shape != (e, x.shape[-1]):
-        raise ValueError(f"{name}: a group of shape {tuple(x.shape)} at expert {start} does not fit a stack of {e} "
-                         f"experts (sums {tuple(sums.shape)})")
-    return _accumulate_group(state, sums, jnp.int32(start), jnp.asarray(x), jnp.asarray(mask), input_dtype)
+    e = state.hessian_sum.shape[0]
+    index = np.asarray(index, np.int32)
+    if x.ndim != 3 or index.shape != (x.shape[0],) or index.min() < 0 or index.max() >= e \
+            or sums.shape != (e, x.shape[-1]):
+        raise ValueError(f"{name}: a group of shape {tuple(x.shape)} for experts {index.tolist()} does not fit a "
+                         f"stack of {e} experts (sums {tuple(sums.shape)})")
+    return _accumulate_group(state, sums, jnp.asarray(index), jnp.asarray(x), jnp.asarray(mask), input_dtype)
 
 
 def from_activations(x, mask=None, *, input_dtype: str = "float32") -> HessianState:

@@ -32,24 +32,25 @@ def test_grouped_accumulation_equals_float64_sums_per_expert(rng, input_dtype):
     import jax.numpy as jnp
 
     state, sums = hs.init_stacked(5, 16), jnp.zeros((5, 16), jnp.float32)
-    x = rng.standard_normal((2, 2, 6, 16)).astype(np.float32)  # two groups of two experts at 1 and 3
+    x = rng.standard_normal((2, 2, 6, 16)).astype(np.float32)  # two groups of two experts: (1, 2) and (4, 3)
     mask = rng.random((2, 2, 6)) < 0.7
-    for g, start in enumerate((1, 3)):
-        state, sums = hs.accumulate_group(state, sums, start, x[g], mask[g], input_dtype=input_dtype)
-    state, sums = hs.accumulate_group(state, sums, 1, x[1], mask[1], input_dtype=input_dtype)  # again: adds up
+    groups = ([1, 2], [4, 3])
+    for g in range(2):
+        state, sums = hs.accumulate_group(state, sums, groups[g], x[g], mask[g], input_dtype=input_dtype)
+    state, sums = hs.accumulate_group(state, sums, groups[0], x[1], mask[1], input_dtype=input_dtype)  # adds up
     ops = x.astype(np.float64)
     if input_dtype == "bfloat16":
         ops = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     want_h, want_sq, want_n = np.zeros((5, 16, 16)), np.zeros((5, 16)), np.zeros(5, int)
-    for g, start in ((0, 1), (1, 3), (1, 1)):
-        for j in range(2):
+    for g, experts in ((0, groups[0]), (1, groups[1]), (1, groups[0])):
+        for j, e in enumerate(experts):
             rows = ops[g, j][mask[g, j]]
-            want_h[start + j] += rows.T @ rows
-            want_sq[start + j] += (x[g, j][mask[g, j]].astype(np.float64) ** 2).sum(0)
-            want_n[start + j] += len(rows)
+            want_h[e] += rows.T @ rows
+            want_sq[e] += (x[g, j][mask[g, j]].astype(np.float64) ** 2).sum(0)
+            want_n[e] += len(rows)
     assert state.token_count.tolist() == want_n.tolist()
     np.testing.assert_allclose(np.asarray(state.hessian_sum), want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(sums), want_sq, rtol=1e-5, atol=1e-5)
     assert not np.asarray(state.hessian_sum)[0].any()
     with pytest.raises(ValueError, match="does not fit a stack of 5"):
-        hs.accumulate_group(state, sums, 4, x[0], mask[0])
+        hs.accumulate_group(state, sums, [4, 5], x[0], mask[0])
