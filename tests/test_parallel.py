@@ -224,3 +224,27 @@ def test_bucket_by_shape_and_solve_named(problem, reference):
         assert np.asarray(out[k].weight).tobytes() == np.asarray(reference.weight[i]).tobytes()
     down = gptq.solve(named["e0.down"], hess["e0.down"], CFG)
     assert np.asarray(out["e0.down"].weight).tobytes() == np.asarray(down.weight).tobytes()
+
+
+def test_accelerator_policy_width_slack_and_compiler_options(monkeypatch):
+    # The vmap width: the experts per device up to the bound; never the unbatched program (width 1) on an
+    # accelerator while a bucket has two experts or more (its kernels differ from the batched ones on GPUs).
+    assert engine._width(256, 64, 128, "gpu") == 64
+    assert engine._width(256, 1, 3, "gpu") == 2
+    assert engine._width(256, 1, 1, "gpu") == 1          # a lone expert: nothing to batch with
+    assert engine._width(1, 1, 3, "gpu") == 1            # an explicit batch_size=1 is obeyed
+    assert engine._width(1, 4, 8, "cpu") == 1
+    # Runtime slack: none on CPU (simulated limits are exact there), per vmap lane on accelerators.
+    assert engine.runtime_slack("cpu", 10 ** 6, 4) == 0
+    assert engine.runtime_slack("gpu", 10 ** 6, 4) == 4 * 2 * 10 ** 6 + (1 << 20)
+    assert engine.runtime_slack("gpu", 10 ** 6, 2) < engine.runtime_slack("gpu", 10 ** 6, 4)
+    # GEMMs from cuBLAS on GPUs unless asked otherwise; nothing on CPU. XLA accepts the option when compiling.
+    monkeypatch.delenv(engine.ENV_TRITON_GEMM, raising=False)
+    opts = engine.compiler_options("gpu")
+    assert opts == {"xla_gpu_enable_triton_gemm": False}
+    assert engine.compiler_options("cpu") is None
+    monkeypatch.setenv(engine.ENV_TRITON_GEMM, "1")
+    assert engine.compiler_options("gpu") is None
+    x = jnp.arange(16.0).reshape(4, 4)
+    compiled = jax.jit(lambda a: a @ a).lower(x).compile(compiler_options=opts)
+    np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) @ np.asarray(x))

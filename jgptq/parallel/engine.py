@@ -8,18 +8,28 @@ Program: ``jit(shard_map(per_device, mesh, P("expert")))`` over a 1-D mesh whose
 Auto: with Explicit axes, unbatched constants inside a vmapped solve fail the sharding check) holds the devices
 that take work. Each device gets ``m`` consecutive experts and runs them with ``lax.map`` (a scan, no
 cross-device traffic: the compiled program holds no collective). ``batch_size`` k = 1 scans the unbatched
-per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k, so a vmap
-of width 1 (which XLA compiles to other kernels, hence other bits) never occurs.
+per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k.
+
+Same bytes on any mesh: an expert's result must not depend on the number of lax.map steps, on the vmap width k, or
+on the chunking. On CPU it does not (tested with 1-8 devices, batch 1 throughout). On a GPU, the unbatched program
+(k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky, GEMMs chosen per
+shape): on the H200 k = 1 and k = 16 agreed on 12 of 16 experts, while widths 2 to 128, chunked or not, agreed on
+1151 of 1152 expert comparisons (``benchmarks/results/batch_invariance_h200.json``). So on accelerators a bucket
+of two or more experts never runs at width 1 (a device's experts are padded to two); the width is otherwise the
+experts per device (up to 256): a narrower vmap would make the solve, whose per-column steps are latency bound,
+slower.
 
 Room check (:func:`plan`): a device's program for m experts at batch k needs ``fixed_k + m * io`` bytes, where
 ``io`` is one expert's inputs + outputs and ``fixed_k`` the rest (temporaries of one lax.map step, loop state),
 read from ``memory_analysis()`` of the compiled program for two steps (lowered from ShapeDtypeStructs, nothing
-allocated; k > 2 is extrapolated from k = 1, 2). A device takes work if it has room for one expert alone. The
-plan takes the largest k (<= the platform's maximum, <= the experts per device) and then the largest m that fit
-on every working device; when experts are left over, they run in chunks of ``devices x m`` (balanced, padded
-with copies of a real expert whose results are dropped). The compiled program of the chosen (m, k) is checked
-itself before it runs; if its analyzed peak does not fit, m (then k) shrinks. When no device has room for one
-expert, MemoryError is raised before anything runs.
+allocated; k > 2 is extrapolated from k = 1, 2), plus, on accelerators, a runtime slack of ``2 * io`` per vmap
+lane and 1 MiB: on the H200 a 768 x 2048 solve allocated 52 MiB per lane at run time beyond its memory analysis
+(library workspaces the analysis does not see), and other shapes up to 1 MiB. A device takes work if it has room
+for one expert alone. The plan takes the largest m that fits at that k on every working device; when experts
+are left over, they run in chunks of ``devices x m`` (balanced, padded with copies of a real expert whose
+results are dropped). The compiled program of the chosen (m, k) is checked itself before it runs; if its
+predicted peak does not fit, m (then k) shrinks. When no device has room for one expert, MemoryError is raised
+before anything runs.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -44,9 +55,27 @@ AXIS = "expert"
 # Largest lax.map batch tried by default. CPU: 1, since batched LAPACK calls inside shard_map on several virtual
 # CPU devices can deadlock the intra-op thread pool, and batching does not speed up a CPU solve. Accelerators:
 # every expert of a device at once when memory allows (the per-column steps are latency bound, so a wider vmap is
-# nearly free), falling back to smaller batches when it does not.
+# nearly free), falling back to smaller batches when it does not, but not to 1 while a device has two experts.
 MAX_BATCH = {"cpu": 1}
 MAX_BATCH_DEFAULT = 256
+ENV_TRITON_GEMM = "JGPTQ_TRITON_GEMM"
+
+
+def compiler_options(platform: str) -> Optional[dict]:
+    """XLA options of the engine's programs on ``platform``: on GPUs, GEMMs from cuBLAS rather than Triton.
+
+    Autotuning Triton GEMM kernels is most of a solve program's compile time on a GPU; on the H200 the three solve
+    programs of a Qwen3-30B-A3B layer compiled in 6.9 s instead of 47 s, ran as fast, and gave the same bytes
+    (``benchmarks/results/compile_time_h200.json``). ``JGPTQ_TRITON_GEMM=1`` keeps XLA's default.
+    """
+    if platform == "gpu" and os.environ.get(ENV_TRITON_GEMM, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return {"xla_gpu_enable_triton_gemm": False}
+    return None
+
+
+def runtime_slack(platform: str, io: int, k: int) -> int:
+    """Bytes a program allocates at run time beyond its memory analysis (measured on GPUs; none on CPU)."""
+    return 0 if platform == "cpu" else k * 2 * io + (1 << 20)
 
 
 def expert_mesh(devices: Sequence) -> Mesh:
@@ -145,19 +174,21 @@ def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
             structs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=repl))
     program = jax.jit(jax.shard_map(_per_device(spec.fn, spec.in_axes, k), mesh=mesh, in_specs=tuple(in_specs),
                                     out_specs=P(AXIS), check_vma=False))
-    compiled = program.lower(*structs).compile()
+    compiled = program.lower(*structs).compile(compiler_options=compiler_options(mesh.devices.flat[0].platform))
     with _lock:
         _compiled[key] = compiled
     return compiled
 
 
 def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
-    """Per-device peak bytes of :func:`compiled_program` (its memory analysis, cached: reading it is not free)."""
+    """Predicted per-device peak bytes of :func:`compiled_program`: its memory analysis (cached: reading it is not
+    free) plus :func:`runtime_slack`."""
     key = (spec, mesh, per_device, k, "peak")
     with _lock:
         hit = _compiled.get(key)
     if hit is None:
         hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
+        hit += runtime_slack(mesh.devices.flat[0].platform, _io_bytes(spec), k)
         with _lock:
             _compiled[key] = hit
     return hit
@@ -175,6 +206,14 @@ def _io_bytes(spec: _Spec) -> int:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _width(k_max: int, per_device: int, num_experts: int, platform: str) -> int:
+    """The preferred vmap width: the experts per device up to ``k_max``; on accelerators at least 2 for E >= 2."""
+    k = min(k_max, per_device)
+    if platform != "cpu" and k_max >= 2 and num_experts >= 2:
+        k = max(k, 2)
+    return k
 
 
 def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Optional[int] = None,
@@ -212,7 +251,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     # Fast path: the whole bucket in one step on every device. Compiling a GPTQ program takes seconds on a GPU, so
     # the common case (it fits) compiles exactly the program that then runs, and nothing else.
     target = -(-num_experts // len(devices))
-    k0 = min(k_max, target)
+    k0 = _width(k_max, target, num_experts, devices[0].platform)
     per_dev0 = _round_up(target, k0)
     used0 = tuple(devices[:-(-num_experts // per_dev0)])
     peak0 = program_peak(spec, expert_mesh(used0), per_dev0, k0)
@@ -251,8 +290,8 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     if idle:
         log.warning("devices without room for one expert take no work: %s", [str(d) for d in idle])
     target = -(-num_experts // len(working))
-    batches = sorted({c for c in (k_max, target, 128, 64, 32, 16, 8, 4, 2) if 2 <= c <= min(k_max, target)},
-                     reverse=True) + [1]
+    k0 = _width(k_max, target, num_experts, devices[0].platform)
+    batches = sorted({c for c in (k0, 128, 64, 32, 16, 8, 4, 2) if 2 <= c <= k0}, reverse=True) + [1]
     bi = next(i for i, c in enumerate(batches) if all(capacity(d, c) >= c for d in working))
     for _ in range(32):
         k = batches[bi]
@@ -277,6 +316,11 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     if k > 1 and len(used) > 1 and used[0].platform == "cpu":
         log.warning("a lax.map batch of %d on several CPU devices runs batched LAPACK calls inside shard_map, "
                     "which can deadlock XLA:CPU's thread pool; batch_size=1 is the safe choice on CPU", k)
+    if k < k0:
+        log.info("memory holds %d experts per device at once, not %d: the solve runs at batch %d", k, k0, k)
+    if k == 1 and num_experts > 1 and used[0].platform != "cpu":
+        log.warning("memory holds one expert per device at once: the unbatched program runs, whose bytes may "
+                    "differ in the last bits from a batched run of the same experts")
     if chunks > 1:
         log.info("%d experts in %d chunks of %d devices x %d (batch %d); predicted peak %d bytes per device",
                  num_experts, chunks, len(used), per_dev, k, peak)
