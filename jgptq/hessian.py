@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgptq import xla_options
+
 INPUT_DTYPES = ("float32", "bfloat16")
 
 
@@ -156,7 +158,8 @@ def accumulate_at(state: HessianState, index: int, x, mask=None, *, input_dtype:
     return _accumulate_at(state, jnp.int32(index), x, mask, input_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1),
+                   compiler_options=xla_options.gemm_options())
 def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: str):
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     if input_dtype == "bfloat16":

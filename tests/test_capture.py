@@ -79,10 +79,13 @@ def reference_layer0(model, ids, mask):
     return out
 
 
-@pytest.mark.parametrize("grouping", ["one_group", "small_groups_and_passes"])
+@pytest.mark.parametrize("grouping", ["one_group", "small_groups_and_passes", "accelerator_slots"])
 def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping, monkeypatch):
     import jgptq
 
+    if grouping == "accelerator_slots":
+        # every group padded to its bucket's most slots (the accelerator policy): empty slots add nothing
+        monkeypatch.setattr(capture, "_fixed_group_sizes", lambda device: True)
     if grouping != "one_group":
         # experts accumulated a few at a time, their rows in several passes of 64 (the bucket floor)
         monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)

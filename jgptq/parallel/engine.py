@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jgptq import xla_options
 from jgptq.parallel import memory
 
 log = logging.getLogger("jgptq.parallel")
@@ -58,19 +58,13 @@ AXIS = "expert"
 # nearly free), falling back to smaller batches when it does not, but not to 1 while a device has two experts.
 MAX_BATCH = {"cpu": 1}
 MAX_BATCH_DEFAULT = 256
-ENV_TRITON_GEMM = "JGPTQ_TRITON_GEMM"
+ENV_TRITON_GEMM = xla_options.ENV_TRITON_GEMM
 
 
 def compiler_options(platform: str) -> Optional[dict]:
-    """XLA options of the engine's programs on ``platform``: on GPUs, GEMMs from cuBLAS rather than Triton.
-
-    Autotuning Triton GEMM kernels is most of a solve program's compile time on a GPU; on the H200 the three solve
-    programs of a Qwen3-30B-A3B layer compiled in 6.9 s instead of 47 s, ran as fast, and gave the same bytes
-    (``benchmarks/results/compile_time_h200.json``). ``JGPTQ_TRITON_GEMM=1`` keeps XLA's default.
-    """
-    if platform == "gpu" and os.environ.get(ENV_TRITON_GEMM, "").strip().lower() not in ("1", "true", "yes", "on"):
-        return {"xla_gpu_enable_triton_gemm": False}
-    return None
+    """XLA options of the engine's programs on ``platform``: on GPUs, GEMMs from cuBLAS rather than Triton
+    (:mod:`jgptq.xla_options`); nothing elsewhere."""
+    return xla_options.gemm_options() if platform == "gpu" else None
 
 
 def runtime_slack(platform: str, io: int, k: int) -> int:
