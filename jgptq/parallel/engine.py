@@ -14,7 +14,7 @@ Same bytes on any mesh: an expert's result must not depend on the number of lax.
 on the chunking. On CPU it does not (tested with 1-8 devices, batch 1 throughout). On a GPU, the unbatched program
 (k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky, GEMMs chosen per
 shape): on the H200 k = 1 and k = 16 agreed on 12 of 16 experts, while widths 2 to 128, chunked or not, agreed on
-1151 of 1152 expert comparisons (``benchmarks/results/batch_invariance_h200.json``). So on accelerators a bucket
+543 of 544 expert comparisons (``benchmarks/results/batch_invariance_h200.json``). So on accelerators a bucket
 of two or more experts never runs at width 1 (a device's experts are padded to two); the width is otherwise the
 experts per device (up to 256): a narrower vmap would make the solve, whose per-column steps are latency bound,
 slower.
