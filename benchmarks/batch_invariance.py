@@ -42,7 +42,7 @@ def child(rows: int, cols: int, experts: int, plans: list[tuple[int, int]]) -> d
     import jax
     import numpy as np
 
-    from benchmarks.room_check import _hessian
+    from benchmarks.room_check import _fields, _hessian
     from jgptq import QuantConfig
     from jgptq.parallel import engine, experts as pexp
 
@@ -67,7 +67,7 @@ def child(rows: int, cols: int, experts: int, plans: list[tuple[int, int]]) -> d
             t = time.perf_counter()
             res = jax.block_until_ready(engine.run(spec, (w, h, None), plan, gather_to=dev))
             times.append(time.perf_counter() - t)
-        fields = {f: np.asarray(v) for f, v in res._asdict().items() if v is not None}
+        fields = _fields(res)
         digests = []
         for e in range(experts):
             hsh = hashlib.sha256()
@@ -106,9 +106,8 @@ def main(argv=None) -> int:
         shape, e, big = (768, 2048), 16, 128
         full, sub = "16:16,16:8,16:2,16:1,8:8,4:4,2:2", "16:16,16:2"
         timing = "128:128,128:32,128:16,128:8"
-    on_gpu = not args.small
     jobs = [("default", shape, e, full, ""), ("recompile", shape, e, sub, "")]
-    if on_gpu:
+    if not args.small:                                   # the flag means something on GPUs only
         jobs.append(("autotune0", shape, e, "16:16,16:2,16:1,2:2", "--xla_gpu_autotune_level=0"))
     jobs.append(("timing", shape, big, timing, ""))
     report = {"benchmark": "batch_invariance", "description": __doc__, "children": []}

@@ -3,7 +3,8 @@
 Autotuning Triton GEMM kernels is most of the compile time of jgptq's programs on a GPU: on the H200 the three
 GPTQ solve programs of a Qwen3-30B-A3B layer compiled in 6.9 s instead of 47 s, ran as fast and gave the same
 bytes (``benchmarks/results/compile_time_h200.json``). Other backends ignore the option. ``JGPTQ_TRITON_GEMM=1``
-(read when jgptq is imported, and by the expert engine when it compiles) keeps XLA's default.
+(read when :mod:`jgptq.hessian` is first imported, and by the expert engine each time it compiles) keeps XLA's
+default.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import jgptq.parallel as jp
 from jgptq import QuantConfig, gptq
 from jgptq import hessian as hs
 from jgptq.ggml import get_format
+from jgptq import xla_options
 from jgptq.parallel import engine, experts, memory
 from tests import parallel_worker
 from tests.conftest import correlated_activations
@@ -239,11 +240,11 @@ def test_accelerator_policy_width_slack_and_compiler_options(monkeypatch):
     assert engine.runtime_slack("gpu", 10 ** 6, 4) == 4 * 2 * 10 ** 6 + (1 << 20)
     assert engine.runtime_slack("gpu", 10 ** 6, 2) < engine.runtime_slack("gpu", 10 ** 6, 4)
     # GEMMs from cuBLAS on GPUs unless asked otherwise; nothing on CPU. XLA accepts the option when compiling.
-    monkeypatch.delenv(engine.ENV_TRITON_GEMM, raising=False)
+    monkeypatch.delenv(xla_options.ENV_TRITON_GEMM, raising=False)
     opts = engine.compiler_options("gpu")
     assert opts == {"xla_gpu_enable_triton_gemm": False}
     assert engine.compiler_options("cpu") is None
-    monkeypatch.setenv(engine.ENV_TRITON_GEMM, "1")
+    monkeypatch.setenv(xla_options.ENV_TRITON_GEMM, "1")
     assert engine.compiler_options("gpu") is None
     x = jnp.arange(16.0).reshape(4, 4)
     compiled = jax.jit(lambda a: a @ a).lower(x).compile(compiler_options=opts)

@@ -58,7 +58,6 @@ AXIS = "expert"
 # nearly free), falling back to smaller batches when it does not, but not to 1 while a device has two experts.
 MAX_BATCH = {"cpu": 1}
 MAX_BATCH_DEFAULT = 256
-ENV_TRITON_GEMM = xla_options.ENV_TRITON_GEMM
 
 
 def compiler_options(platform: str) -> Optional[dict]:
