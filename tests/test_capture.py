@@ -19,8 +19,11 @@ def logits_with(model, ids, impl, collector=None):
             return model(ids).logits
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
-def test_capture_implementation_computes_the_eager_output(family):
+def test_capture_implementation_computes_the_eager_output(family, grouped, monkeypatch):
+    # grouped: the accelerator path (two grouped matrix products for all experts), here on the CPU
+    monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: grouped)
     model = build(family)
     ids = token_ids(2, 12, seed=3)
     eager = logits_with(model, ids, "eager")
@@ -84,8 +87,10 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
     import jgptq
 
     if grouping == "accelerator_slots":
-        # every group padded to its bucket's most slots (the accelerator policy): empty slots add nothing
+        # the accelerator policies: every group padded to its bucket's most slots (empty slots add nothing), the
+        # experts' forward as grouped matrix products
         monkeypatch.setattr(capture, "_fixed_group_sizes", lambda device: True)
+        monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: True)
     if grouping != "one_group":
         # experts accumulated a few at a time, their rows in several passes of 64 (the bucket floor)
         monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)
@@ -148,3 +153,29 @@ def test_shared_inputs_share_one_hessian():
     key = {r.name: r.hessian for r in res.report.records}
     assert key["model.layers.1.self_attn.k_proj"] == key["model.layers.1.self_attn.v_proj"] == \
         "model.layers.1.self_attn.q_proj"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_grouped_products_on_cuda_match_the_loop(monkeypatch):
+    import jgptq
+
+    model = build("qwen3_moe").to("cuda", torch.bfloat16)
+    assert capture._grouped_on(torch.device("cuda"), torch.bfloat16)
+    ids = token_ids(4, 64, seed=7).cuda()
+    capture._register()
+    grouped = logits_with(model, ids, capture.IMPLEMENTATION).float()
+    monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: False)
+    loop = logits_with(model, ids, capture.IMPLEMENTATION).float()
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2 * loop.abs().max().item())
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype, on=on: on)
+        runs[on] = jgptq.quantize_moe(build("qwen3_moe").to("cuda", torch.bfloat16), ids.cpu(), method="rtn",
+                                      bits=4, group_size=16, keep_hessians=True, progress=False, batch_size=4)
+    for key, (h, n) in runs[True].hessians.items():
+        h_loop, n_loop = runs[False].hessians[key]
+        assert n == n_loop, key
+        if isinstance(key[1], tuple):  # expert inputs: bf16 rows of either path, summed in float32
+            np.testing.assert_allclose(np.asarray(h), np.asarray(h_loop), rtol=5e-2,
+                                       atol=5e-2 * float(np.abs(np.asarray(h_loop)).max()), err_msg=str(key))
