@@ -134,17 +134,16 @@ def store_ggml(weights: dict, names: dict, part, res) -> None:
     """Splits a part's payload into checkpoint tensors (per-expert names where the checkpoint has them) as
     :class:`GGMLWeight` records (as ``_store`` does for integer grids)."""
     payload = np.asarray(res.payload)
+    from interop.models import UnsupportedModelError, row_index
+
     for key, expert, rows in names[part.param]:
-        rows = rows.numpy()
         if part.kind == "linear" or expert is not None:
             e = 0 if expert is None else expert
-            weights[key] = GGMLWeight(payload[e][rows], res.format, method=res.method[e],
+            weights[key] = GGMLWeight(payload[e][row_index(rows)], res.format, method=res.method[e],
                                       transposed=part.transposed)
         else:
             n, r = payload.shape[:2]
-            if not np.array_equal(rows, np.arange(n * r)):
-                from interop.models import UnsupportedModelError
-
+            if not np.array_equal(rows.numpy(), np.arange(n * r)):
                 raise UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
             methods = set(res.method)
             weights[key] = GGMLWeight(payload, res.format, method=methods.pop() if len(methods) == 1 else "mixed",

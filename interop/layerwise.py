@@ -38,7 +38,9 @@ Pipeline, per decoder layer:
    once; shared Hessians stay shared); experts with fewer tokens than the threshold get round-to-nearest, with
    a warning and a line in the report;
 4. write: the dequantized weights are copied into the torch parameters in place (same storage and layout; fused
-   gate/up tensors and transposed layouts written through views);
+   gate/up tensors and transposed layouts written through views); the records of ``result.weights`` (codes and
+   scales copied to host memory and checked) are made on a worker thread while the next layer runs (``store``
+   in the report: the seconds the pipeline waited for them);
 5. replay: the layer runs again with quantized weights; its outputs are the next layer's inputs.
 
 Written-back weights are the dequantized grid values cast to the parameter's dtype (exact in float32; rounded
@@ -53,8 +55,11 @@ batched solve, the form that spreads over devices. Error from earlier layers doe
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -66,7 +71,7 @@ from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_jax
 from interop.report import ModuleRecord, QuantizeResult, Report
-from interop.solve import Part, solve_layer
+from interop.solve import Part, solve_layer, warm_solves
 from jgptq.config import PipelineConfig
 from jgptq.export.records import QuantizedWeight
 
@@ -229,6 +234,47 @@ def _write_back(part, weight):
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
 
+def _solve_shapes(target) -> set:
+    """(experts?, rows, columns) of the matrices of a layer's targets."""
+    shapes = {(False, m.out_features, m.in_features) for m in target.linears.values()}
+    for _, lay in target.experts.values():
+        shapes |= {(True, (2 if lay.gated else 1) * lay.inter, lay.hidden), (True, lay.hidden, lay.inter)}
+    return shapes
+
+
+def _store_layer(names, solved, cfg) -> dict:
+    """The records of a layer's solved parts, by checkpoint key (see :func:`_store`)."""
+    weights: dict = {}
+    for part, res in solved:
+        _store(weights, names, part, res, cfg)
+    return weights
+
+
+class _Stores:
+    """Turns each layer's results into checkpoint records on a worker thread (copies of codes and scales to host
+    memory, their checks), while the next layer runs. :meth:`collect` adds the finished records to the run's
+    weights in layer order; the seconds it waits go to the report's ``store`` stage."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jgptq-store")
+        self._pending: list = []
+
+    def submit(self, layer: int, job) -> None:
+        self._pending.append((layer, self._pool.submit(job)))
+
+    def collect(self, weights: dict, report) -> None:
+        for layer, job in self._pending:
+            t0 = time.perf_counter()
+            done = job.result()
+            report.add_time(layer, "store", time.perf_counter() - t0)
+            weights.update(done)
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+
 def _store(weights, names, part, res, cfg):
     """Splits a part's results into checkpoint tensors (per-expert names where the checkpoint has them) as
     :class:`jgptq.export.QuantizedWeight` records (:class:`jgptq.export.GGMLWeight` for GGML formats)."""
@@ -240,14 +286,13 @@ def _store(weights, names, part, res, cfg):
     common = dict(bits=q.bits, group_size=q.group_size, sym=q.sym, act_order=q.act_order, scale_dtype=q.scale_dtype,
                   transposed=part.transposed)
     for key, expert, rows in names[part.param]:
-        rows = rows.numpy()
         if part.kind == "linear" or expert is not None:
-            e = 0 if expert is None else expert
-            weights[key] = QuantizedWeight(codes[e][rows], scales[e][rows], zeros[e][rows], g_idx[e],
+            e, at = 0 if expert is None else expert, models.row_index(rows)
+            weights[key] = QuantizedWeight(codes[e][at], scales[e][at], zeros[e][at], g_idx[e],
                                            method=res.method[e], **common)
         else:
             n, r = codes.shape[:2]
-            if not np.array_equal(rows, np.arange(n * r)):
+            if not np.array_equal(rows.numpy(), np.arange(n * r)):
                 raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
             methods = set(res.method)
             weights[key] = QuantizedWeight(codes, scales, zeros, g_idx,
@@ -325,6 +370,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         for i in range(start):
             resume_mod.restore_layer(ckpt, i, targets[i], prefix, names, result)
     has_experts = any(t.experts for t in targets)
+    stores, warmed = _Stores(), set()
     was_training = model.training
     model.eval()
     failed = True
@@ -349,15 +395,17 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                 last = i == len(layers) - 1
                 hidden = _process_layer(i, layer, targets[i], hidden, layer_inputs, batch_list, names, cfg,
                                         prefix, report, result, devices, last=last, placement=placement,
-                                        formats=formats, given=imatrix)
+                                        formats=formats, given=imatrix, stores=stores, warmed=warmed)
                 t0 = time.perf_counter()
                 placement.put_back(i)
                 if placement.moves:
                     report.add_time(i, "offload", time.perf_counter() - t0)
                 if ckpt is not None:
+                    stores.collect(result.weights, report)
                     ckpt.save_layer(i, {k: v for k, v in result.weights.items() if k not in before},
                                     resume_mod.report_part(report, i, prefix, marks), None if last else hidden,
                                     ggml_plan.layer_entries(result.imatrix, prefix, i, targets[i]))
+            stores.collect(result.weights, report)
         failed = False
     except BaseException as exc:
         note = placement.failure_note()
@@ -365,6 +413,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
             exc.add_note(note)
         raise
     finally:
+        stores.close()
         model.train(was_training)
         _finish(placement, failed)
     report.memory = placement.memory
@@ -395,8 +444,14 @@ class _null:
 
 
 def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cfg, prefix, report, result,
-                   devices, last, placement=None, formats=None, given=None):
+                   devices, last, placement=None, formats=None, given=None, stores=None, warmed=None):
     show = cfg.progress
+    warm = None
+    if warmed is not None:
+        shapes = _solve_shapes(target)
+        if not shapes <= warmed:  # a layer of new shapes: its solve programs compile beside the calibration
+            warm = warm_solves(target, cfg, devices=devices)
+            warmed.update(shapes)
     collector = capture.Collector(target.linears, target.experts,
                                   all_experts=cfg.moe.calibration == "all_experts", input_dtype=cfg.hessian_dtype)
     t0 = time.perf_counter()
@@ -428,15 +483,25 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
     if cfg.keep_hessians:
         for key in collector.states:
             result.hessians[(i, key)] = collector.hessian(key)
+    if warm is not None:
+        warm.join()
     solved = solve_layer(parts, cfg, devices=devices)
     collector.release()
     report.add_time(i, "solve", time.perf_counter() - t0)
 
     t0 = time.perf_counter()
+    kept = []
     for part, res in solved:
         _write_back(part, res.weight)
-        _store(result.weights, names, part, res, cfg)
         _record(report, part, res, i, cfg)
+        # what the records need, without the Hessians and dequantized weights (freed with this layer)
+        kept.append((SimpleNamespace(param=part.param, kind=part.kind, transposed=part.transposed),
+                     res._replace(weight=None)))
+    del solved
+    if stores is None:
+        result.weights.update(_store_layer(names, kept, cfg))
+    else:
+        stores.submit(i, functools.partial(_store_layer, names, kept, cfg))
     report.add_time(i, "write", time.perf_counter() - t0)
 
     if last:

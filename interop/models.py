@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -185,6 +186,15 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
             if p.ndim == 2:
                 skipped.append((f"{name}.{pname}" if name else pname, f"{cls} parameter"))
     return LayerTargets(linears, experts, skipped)
+
+
+def row_index(rows: torch.Tensor):
+    """A numpy index for the row indices ``rows`` of :func:`checkpoint_names`: a slice when they are one increasing
+    run (indexing then gives a view, not a copy), else the numpy array."""
+    rows = rows.numpy()
+    if rows.size and rows[-1] - rows[0] == rows.size - 1 and np.array_equal(rows, np.arange(rows[0], rows[-1] + 1)):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
 
 
 def checkpoint_names(model: nn.Module, params: dict) -> dict:

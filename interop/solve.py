@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import threading
 from typing import NamedTuple, Optional
 
 import jax
@@ -34,6 +36,8 @@ from interop.dlpack import to_torch
 from jgptq import gptq, parallel
 from jgptq.config import QuantConfig
 from jgptq.quantizers import uniform
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -69,8 +73,9 @@ class Part:
 
 class PartResult(NamedTuple):
     """Results of a part with the leading axis N (fields as :class:`jgptq.gptq.GPTQResult`): ``weight`` a float32
-    torch tensor (sharing the solver's output buffer), the rest numpy arrays, plus the method and the fallback
-    reason of each matrix."""
+    torch tensor (sharing the solver's output buffer); ``loss``, ``damp_used``, ``damp_stage``, ``fallback`` and
+    ``dead_columns`` numpy arrays; ``codes``, ``scales``, ``zeros``, ``g_idx``, ``perm`` and ``payload`` arrays on
+    the device (``np.asarray`` brings them to host memory); plus the method and the fallback reason of each matrix."""
 
     weight: object
     codes: np.ndarray
@@ -176,6 +181,63 @@ def _bucket_hessians(parts, low):
     return _identity_where(stacked, jnp.asarray(low))
 
 
+_SMALL = ("loss", "damp_used", "damp_stage", "fallback", "dead_columns")
+
+
+def _warm_on(devices) -> bool:
+    """Whether solves are compiled ahead (:func:`warm_solves`): on accelerators, where a layer's programs take
+    seconds to compile; on the CPU the calibration already has every core."""
+    return (devices or jax.devices())[0].platform != "cpu"
+
+
+def _jax_dtype(dtype):
+    return jnp.dtype(str(dtype).replace("torch.", ""))
+
+
+def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
+    """Starts compiling, on a background thread, the solve programs that :func:`solve_layer` will run for a layer
+    with targets ``target`` (:func:`interop.models.layer_targets`), so that the first layer's compiles overlap its
+    calibration (XLA compiles without holding Python's lock). Returns the thread (join it before solving, so
+    that nothing compiles twice), or None when nothing is to be compiled (round-to-nearest, GGML formats).
+
+    Which matrices share a Hessian is known only after the calibration forward; a bucket of several linear
+    modules is compiled for both cases. A guess that misses costs background compile time, never a result.
+    """
+    if cfg.method != "gptq" or cfg.quant.is_ggml or not _warm_on(devices):
+        return None
+    sds = jax.ShapeDtypeStruct
+    buckets: dict = {}
+    for m in target.linears.values():
+        w = m.weight
+        buckets.setdefault((False, w.shape[0], w.shape[1]), []).append((1, _jax_dtype(w.dtype), "own"))
+    for module, lay in target.experts.values():
+        up = getattr(module, lay.up_name)
+        shared = cfg.moe.calibration == "all_experts"
+        for rows, cols, tie in (((2 if lay.gated else 1) * lay.inter, lay.hidden, "shared" if shared else "own"),
+                                (lay.hidden, lay.inter, "own")):
+            buckets.setdefault((True, rows, cols), []).append((lay.num_experts, _jax_dtype(up.dtype), tie))
+    jobs = []
+    for (expert, rows, cols), members in buckets.items():
+        n, dtype = sum(m[0] for m in members), members[0][1]
+        weights = sds((n, rows, cols), dtype)
+        if expert:
+            shapes = [(cols, cols)] if members[0][2] == "shared" and len(members) == 1 else [(n, cols, cols)]
+        else:
+            shapes = [(cols, cols)] + ([(n, cols, cols)] if len(members) > 1 else [])
+        jobs += [(weights, sds(h, jnp.float32)) for h in shapes]
+
+    def compile_all():
+        for weights, hessians in jobs:
+            try:
+                parallel.plan_solve(weights, hessians, cfg.quant, devices=devices)
+            except Exception as exc:  # noqa: BLE001 - a warm-up only: the solve compiles what it needs
+                log.debug("warming a solve program for %s failed: %s", weights.shape, exc)
+
+    thread = threading.Thread(target=compile_all, name="jgptq-warm-solves", daemon=True)
+    thread.start()
+    return thread
+
+
 def solve_layer(parts: list, cfg, *, devices=None) -> list:
     """Solves every part of a layer, one call per bucket (experts or linear, rows, columns); returns
     [(part, PartResult)]."""
@@ -222,7 +284,10 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
             n, r, c = weights.shape
             res = res._replace(weight=decode(res.payload.reshape(n, r, -1), fmt))
         weight = to_torch(res.weight, name=group[0].name)
-        host = {f: None if getattr(res, f) is None else np.asarray(getattr(res, f))
+        # the per-matrix figures come to host memory now; codes, scales and payloads stay on the device until
+        # their records are made (on the pipeline's store thread)
+        host = {f: None if getattr(res, f) is None else
+                (np.asarray(getattr(res, f)) if f in _SMALL else getattr(res, f))
                 for f in PartResult._fields[1:-4] + ("payload",)}
         host["loss"] = np.where(np.asarray(low), np.nan, host["loss"])  # no GPTQ loss for fallbacks
         start = 0
@@ -230,7 +295,9 @@ def solve_layer(parts: list, cfg, *, devices=None) -> list:
             n = p.weight.shape[0]
             sl = slice(start, start + n)
             method = ["rtn" if (cfg.method == "rtn" or low[start + e]) else "gptq" for e in range(n)]
-            out.append((p, PartResult(weight[sl], **{f: None if a is None else a[sl] for f, a in host.items()},
+            whole = len(group) == 1
+            out.append((p, PartResult(weight[sl], **{f: None if a is None else a if whole else a[sl]
+                                                     for f, a in host.items()},
                                       method=method, reason=reasons[sl], format=fmt)))
             start += n
     return out

@@ -97,7 +97,8 @@ def test_report_serializes_and_summarizes(tmp_path):
     data = json.loads(path.read_text())
     assert data == json.loads(text)
     assert len(data["records"]) == len(result.report.records) == 2 * (4 + 16)
-    assert set(data["stage_totals"]) == {"capture", "calibrate", "solve", "write", "replay"}
+    assert set(data["stage_totals"]) == {"capture", "calibrate", "solve", "write", "store", "replay"}
+    assert all("store" in data["timings"][str(i)] for i in range(2))   # every layer's records were waited for
     rec = data["records"][0]
     assert {"loss", "damp_used", "damp_stage", "fallback", "tokens", "dead_columns"} <= set(rec)
     summary = str(result)
@@ -238,3 +239,32 @@ def test_same_weights_with_one_and_four_devices(tmp_path):
     four = np.load(out)
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(four[k], v.detach().numpy(), err_msg=k)
+
+
+def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
+    """The first layer's solve programs are compiled on a background thread during its calibration (on
+    accelerators; forced here): the solve then compiles nothing new, and the bytes are those of a run without."""
+    from interop import layerwise, solve
+    from jgptq.parallel import engine
+    from tests.cli import test_resume as resume_tests
+
+    float_model = build("qwen3_moe", num_hidden_layers=1)
+    ref = copy.deepcopy(float_model)
+    calib = resume_tests.CALIB[:4]
+    full = jgptq.quantize_moe(ref, calib, **resume_tests.OPTS)
+    engine._compiled.clear()
+    monkeypatch.setattr(solve, "_warm_on", lambda devices: True)
+    seen = {}
+    solve_layer = layerwise.solve_layer
+
+    def watch(parts, cfg, **kwargs):
+        seen.setdefault("before", set(engine._compiled))
+        out = solve_layer(parts, cfg, **kwargs)
+        seen.setdefault("after", set(engine._compiled))
+        return out
+
+    monkeypatch.setattr(layerwise, "solve_layer", watch)
+    model = copy.deepcopy(float_model)
+    result = jgptq.quantize_moe(model, calib, **resume_tests.OPTS)
+    resume_tests.assert_same(ref, full, model, result)
+    assert seen["before"] and seen["after"] <= seen["before"]
