@@ -13,6 +13,13 @@ Modes (``PipelineConfig.offload``):
   At the end the layers are read back into host memory, unless ``reload=False``: the returned model's layers then
   stay on meta and ``load_layer(model, i, offload_dir)`` / ``reload_all(model, offload_dir)`` load them.
 
+On a CUDA device the moves of ``"cpu"`` and ``"disk"`` run beside the work (:mod:`interop.moves`): while layer
+``i`` is processed, layer ``i + 1`` is brought to the device and layer ``i - 1`` taken back, each on a worker
+thread and stream of its own (three layers may then be on the device at once; the budget check counts them).
+Before the run, the layers are moved to host memory or written to their files by several threads at once; with
+``"cpu"``, moves ahead and no ``device_budget``, layers that start on the device leave it instead from the last one
+back while the run works (the device is as full at the start as it was given).
+
 A layer file holds each distinct tensor of the layer once (parameters and buffers, persistent or not), under its
 ``state_dict`` name; tied tensors are listed as aliases in the header and are tied again on loading. Files are
 written under a temporary name and renamed into place.
@@ -30,10 +37,12 @@ scores, expert intermediates) are not estimated: leave headroom.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,10 +50,15 @@ import torch
 from torch import nn
 
 from interop import models
+from interop.moves import Moves, Staging
 from interop.report import format_bytes
 
 FILE = "offload-layer-{:05d}.safetensors"
 FORMAT = "jgptq-offload-layer"
+PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places before the run
+# moves between a CUDA device and host memory go through pinned buffers (see interop.moves.Staging); the
+# environment variable JGPTQ_STAGED_MOVES=0 turns them back to plain ``module.to`` copies
+STAGED_MOVES = os.environ.get("JGPTQ_STAGED_MOVES", "1") != "0"
 
 
 class DeviceBudgetError(ValueError):
@@ -299,6 +313,12 @@ def _check_not_shared(model, layers) -> None:
                              f"releasing the layer would release it too (use offload='cpu')")
 
 
+def moves_ahead_on(device: torch.device) -> bool:
+    """Whether offloaded layer moves run beside the work by default on ``device``: on CUDA devices, where the copies
+    and the device's work overlap (on the CPU both take the same cores)."""
+    return device.type == "cuda"
+
+
 # -- the pipeline's placement of layers -----------------------------------------------------------------------
 class Placement:
     """Moves the decoder layers of a run between their places per the offload mode, and books the bytes of
@@ -309,11 +329,15 @@ class Placement:
       cfg: the :class:`jgptq.config.PipelineConfig` (``offload``, ``offload_dir``, ``device_budget``, ``reload``,
         ``keep_offload_files``).
       device: the run device (:func:`run_device`).
+      ahead: whether layer moves run beside the work (:mod:`interop.moves`): while layer ``i`` is processed, layer
+        ``i + 1`` comes to the device and layer ``i - 1`` goes back, so three layers may be on the device at once.
+        Default: on CUDA devices, when offloading and no tensor belongs to two layers. A ``device_budget`` that the
+        two extra layers would exceed turns it off.
     Raises:
       ValueError: a layer is already released (on meta).
     """
 
-    def __init__(self, model, layers, cfg, device: torch.device):
+    def __init__(self, model, layers, cfg, device: torch.device, ahead=None):
         self.model, self.layers, self.device = model, layers, device
         self.mode, self.budget = cfg.offload, cfg.device_budget
         self.reload, self.keep = cfg.reload, cfg.keep_offload_files
@@ -338,9 +362,17 @@ class Placement:
             self.on_device = {i for i, h in enumerate(self.homes) if _same_device(h, device)}
         self.peak = self.peak_host = 0
         self.needs: list = []
+        # moves run ahead (next layer in, finished layer out, beside the work) unless layers share tensors
+        shared = len(in_layers) != sum(len(unique_tensors(la)) for la in layers)
+        self.ahead = self.mode != "none" and not shared and (moves_ahead_on(device) if ahead is None else ahead)
+        self._moves = self._evac = None
+        self._lock, self._local = threading.Lock(), threading.local()
+        self._claimed = -1                           # the evacuation leaves layers up to this one alone
+        self._early: set = set()                     # layers brought ahead and not yet fetched
+        self._leaving: set = set()                   # layers whose move out is pending
         self.memory = {"offload": self.mode, "device": str(device), "budget": self.budget,
                        "other_on_device": self.other_on_device, "other_bytes": self.other_bytes,
-                       "largest_layer": max(self.layer_bytes, default=0)}
+                       "largest_layer": max(self.layer_bytes, default=0), "moves_ahead": self.ahead}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -350,10 +382,12 @@ class Placement:
         return self.mode != "none"
 
     # -- the budget --------------------------------------------------------------------------------------------
-    def _estimate(self, i: int, offloaded: bool) -> int:
+    def _estimate(self, i: int, offloaded: bool, ahead: bool = False) -> int:
         fixed = self.other_on_device
         if not offloaded:
             fixed += sum(self.layer_bytes[j] for j in self.on_device if j != i)
+        if ahead:  # the layer before (moving out) and the layer after (moving in)
+            fixed += sum(self.layer_bytes[j] for j in (i - 1, i + 1) if 0 <= j < len(self.layer_bytes))
         return fixed + self.needs[i].total
 
     def check(self, needs: list) -> None:
@@ -364,8 +398,11 @@ class Placement:
         """
         self.needs = list(needs)
         offloaded = self.mode != "none"
-        worst = max(range(len(needs)), key=lambda i: self._estimate(i, offloaded))
-        need, total = needs[worst], self._estimate(worst, offloaded)
+        if self.ahead and self.budget is not None and \
+                max(self._estimate(i, offloaded, True) for i in range(len(needs))) > self.budget:
+            self.ahead = self.memory["moves_ahead"] = False  # moves in line keep one layer on the device
+        worst = max(range(len(needs)), key=lambda i: self._estimate(i, offloaded, self.ahead))
+        need, total = needs[worst], self._estimate(worst, offloaded, self.ahead)
         self.memory["need"] = {"layer": worst, **dataclasses.asdict(need), "other_on_device": total - need.total,
                                "total": total}
         if self.budget is None or total <= self.budget:
@@ -409,14 +446,13 @@ class Placement:
 
     # -- moves ---------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Puts every layer in its place for the run: host memory (``cpu``) or its file, released (``disk``)."""
+        """Puts every layer in its place for the run: host memory (``cpu``) or its file, released (``disk``).
+        Layers are moved (or written) by :data:`PREPARE_WORKERS` threads at once; with moves ahead and no
+        ``device_budget``, ``cpu`` leaves the layers that are on the device there, and a worker moves them to host
+        memory from the last one back while the run works (the layers the run reaches first never make the trip
+        twice)."""
         t0 = time.perf_counter()
-        if self.mode == "cpu":
-            cpu = torch.device("cpu")
-            for i, layer in enumerate(self.layers):
-                layer.to(cpu)
-                self.homes[i] = cpu
-        elif self.mode == "disk":
+        if self.mode == "disk":
             if self.dir is None:
                 self.dir, self._temp = tempfile.mkdtemp(prefix="jgptq-offload-"), True
             else:
@@ -424,48 +460,183 @@ class Placement:
                 Path(self.dir).mkdir(parents=True, exist_ok=True)
             self.memory["offload_dir"] = str(self.dir)
             self._prepared = True
-            for i, layer in enumerate(self.layers):
-                write_layer(layer, layer_file(self.dir, i))
-                self._written.add(i)
-                release_layer(layer)
+        eager = list(range(len(self.layers)))
+        if self.mode == "cpu" and self.ahead and self.budget is None and self.device.type != "cpu":
+            # layers already on the device leave it from the last one back, beside the work
+            resident = [i for i, layer in enumerate(self.layers)
+                        if any(_same_device(t.device, self.device) for t in unique_tensors(layer).values())]
+            if resident:
+                self._evac, self._claimed = Moves(self.device, 1), -1
+                for j in reversed(resident):
+                    self._evac.submit(j, functools.partial(self._evacuate, j), after_current=True)
+                self.on_device |= set(resident)
+                eager = [i for i in eager if i not in resident]
+        if self.mode in ("cpu", "disk") and eager:
+            moves, error = Moves(self.device, PREPARE_WORKERS), None
+            try:
+                for i in eager:
+                    moves.submit(i, functools.partial(self._leave, i), after_current=True)
+                for i in eager:
+                    try:
+                        moves.wait(i)
+                    except BaseException as exc:  # noqa: BLE001 - the other moves end first
+                        error = error or exc
+                    else:
+                        if self.mode == "disk":
+                            self._written.add(i)
+            finally:
+                moves.close()
+            if error is not None:
+                raise error
+        if self.mode == "cpu":
+            self.homes = [torch.device("cpu")] * len(self.layers)
         self._prepared = True
+        if self.ahead:
+            self._moves = Moves(self.device, 1)
         self._book()
         self.memory["prepare_s"] = time.perf_counter() - t0
 
-    def fetch(self, i: int) -> nn.Module:
-        """Places layer ``i`` on the device for processing; returns it."""
+    def _move(self, layer: nn.Module, device: torch.device) -> None:
+        """``layer.to(device)``; between a CUDA device and host memory through this thread's pinned buffers
+        (:class:`interop.moves.Staging`) when :data:`STAGED_MOVES` is on."""
+        if not (STAGED_MOVES and self.device.type == "cuda"):
+            layer.to(device)
+            return
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = Staging(self.device)
+        staging.move(layer, device)
+
+    def _arrive(self, i: int) -> None:
+        """Places layer ``i`` on the device (a move: runs on a worker or in line)."""
         layer = self.layers[i]
         if self.mode == "disk":
             read_layer(layer, layer_file(self.dir, i), self.device)
         else:
-            layer.to(self.device)
-        self.on_device.add(i)
-        self._book()
-        return layer
+            self._move(layer, self.device)
 
-    def put_back(self, i: int) -> None:
-        """Returns processed layer ``i`` to its place (its file: written, then released)."""
+    def _leave(self, i: int) -> None:
+        """Puts layer ``i`` in its place: host memory, or its file (then released)."""
         layer = self.layers[i]
         if self.mode == "disk":
             write_layer(layer, layer_file(self.dir, i))
             release_layer(layer)
-        else:
+        elif self.mode == "none":
             layer.to(self.homes[i])
+        else:
+            self._move(layer, torch.device("cpu"))
+
+    def _evacuate(self, j: int) -> bool:
+        """Moves unprocessed layer ``j`` from the device to host memory unless the pipeline has claimed it (it is
+        processed next, or now); returns whether it moved. Runs on the evacuation worker."""
+        with self._lock:
+            if j <= self._claimed:
+                return False
+        self._leave(j)
+        return True
+
+    def _claim(self, i: int) -> None:
+        """Stops the evacuation of layers up to ``i + 1`` and waits for any under way."""
+        if self._evac is None:
+            return
+        with self._lock:
+            self._claimed = max(self._claimed, i + 1)
+        for j in (i, i + 1):
+            if self._evac.pending(j) and self._evac.wait(j):
+                self.on_device.discard(j)
+
+    def _settle(self) -> None:
+        """Unbooks the layers whose move out (or evacuation) has ended."""
+        for i in [j for j in self._leaving if self._moves.done(("out", j))]:
+            self._moves.wait(("out", i))
+            self._leaving.discard(i)
+            self.on_device.discard(i)
+        if self._evac is not None:
+            for j in [j for j in self._evac.keys() if self._evac.done(j)]:
+                if self._evac.wait(j):
+                    self.on_device.discard(j)
+
+    def fetch(self, i: int) -> nn.Module:
+        """Places layer ``i`` on the device for processing and returns it; with moves ahead, starts bringing
+        layer ``i + 1``."""
+        if self._moves is not None:
+            self._claim(i)
+            self._settle()
+            if i in self._early:
+                self._early.discard(i)
+                self._moves.wait(("in", i))
+            else:
+                self._arrive(i)
+            self.on_device.add(i)
+            if i + 1 < len(self.layers):
+                self.on_device.add(i + 1)     # booked from the start of its move
+                self._early.add(i + 1)
+                self._moves.submit(("in", i + 1), functools.partial(self._arrive, i + 1))
+        else:
+            self._arrive(i)
+            self.on_device.add(i)
+        self._book()
+        return self.layers[i]
+
+    def put_back(self, i: int) -> None:
+        """Returns processed layer ``i`` to its place (its file: written, then released); with moves ahead, on
+        a worker once the work queued on the layer is done."""
+        if self._moves is not None:
+            self._leaving.add(i)
+            self._moves.submit(("out", i), functools.partial(self._leave, i), after_current=True)
+            return
+        if self.mode != "none":
+            self._leave(i)
+        elif not _same_device(self.homes[i], self.device):
+            self.layers[i].to(self.homes[i])
         if self.mode != "none" or not _same_device(self.homes[i], self.device):
             self.on_device.discard(i)
 
     def finish(self, failed: bool) -> None:
-        """After the run (or a failure): with disk offload and ``reload``, every layer whose file this run wrote
-        is read back into host memory (after a failure too: the model is whole again, finished layers quantized,
-        the layer being processed as it was before) and the files are removed unless kept; the peaks go to
-        ``memory``."""
+        """After the run (or a failure): pending moves end (a layer brought ahead and never processed goes back
+        to its place); with disk offload and ``reload``, every layer whose file this run wrote is read back into
+        host memory (after a failure too: the model is whole again, finished layers quantized, the layer being
+        processed as it was before) and the files are removed unless kept; the peaks go to ``memory``."""
         t0 = time.perf_counter()
+        error = None
         try:
+            if self._evac is not None:
+                evac, self._evac = self._evac, None
+                with self._lock:
+                    self._claimed = len(self.layers)  # the evacuations not yet started are dropped
+                try:
+                    for j in evac.keys():
+                        try:
+                            if evac.wait(j):
+                                self.on_device.discard(j)
+                        except BaseException as exc:  # noqa: BLE001 - raised below, once the layers are in place
+                            error = error or exc
+                finally:
+                    evac.close()
+            if self._moves is not None:
+                moves, self._moves, broken = self._moves, None, set()
+                try:
+                    for key in moves.keys():
+                        try:
+                            moves.wait(key)
+                        except BaseException as exc:  # noqa: BLE001 - raised below, once the layers are in place
+                            error = error or exc
+                            broken.add(key)
+                finally:
+                    moves.close()
+                for i in sorted(self._early):
+                    if ("in", i) not in broken:
+                        self._leave(i)
+                self.on_device -= self._early | self._leaving
+                self._early.clear()
+                self._leaving.clear()
             if self.mode == "disk" and self._prepared and self.reload:
                 for i in sorted(self._written):
                     read_layer(self.layers[i], layer_file(self.dir, i), "cpu")
                 if not self.keep:
                     self._remove_files()
+            if error is not None:
+                raise error
         finally:
             self.memory.update(peak_parameters_on_device=self.peak, peak_host_parameters=self.peak_host,
                                finish_s=time.perf_counter() - t0)

@@ -1,0 +1,106 @@
+"""Layer moves that run beside the work (interop.moves), turned on for the CPU here (on by default on CUDA): the
+bytes are those of an un-offloaded run, at most the layers before and after the current one are on the device
+with it, the booking counts them, a budget without room for them turns the moves in line again, and a move's
+error stops the run with the model whole again."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+import jgptq
+from interop import layerwise, offload
+from interop.moves import Moves
+from tests.cli import test_resume as resume_tests
+from tests.test_offload import CALIB, LAYERS, OPTS, own_bytes, six_layers
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    monkeypatch.setattr(offload, "moves_ahead_on", lambda device: True)
+
+
+def watch_layers(monkeypatch, model, seen):
+    process = layerwise._process_layer
+
+    def watch(i, layer, *args, **kwargs):
+        seen.append((i, [not offload.is_released(x) for x in model.model.layers]))
+        return process(i, layer, *args, **kwargs)
+
+    monkeypatch.setattr(layerwise, "_process_layer", watch)
+
+
+@pytest.mark.parametrize("mode", ["disk", "cpu"])
+def test_moves_ahead_give_the_same_bytes_and_book_three_layers_at_most(ahead, monkeypatch, mode):
+    float_model, done, full = six_layers()
+    model = copy.deepcopy(float_model)
+    seen = []
+    watch_layers(monkeypatch, model, seen)
+    result = jgptq.quantize_moe(model, CALIB, offload=mode, **OPTS)
+    resume_tests.assert_same(done, full, model, result)
+    mem = result.report.memory
+    assert mem["moves_ahead"] is True
+    layer_bytes = own_bytes(float_model.model.layers[0])
+    other = own_bytes(float_model) - LAYERS * layer_bytes
+    # the next layer is booked from the start of its move: two layers at least, three at most
+    assert other + 2 * layer_bytes <= mem["peak_parameters_on_device"] <= other + 3 * layer_bytes
+    assert mem["need"]["other_on_device"] == other + 2 * layer_bytes
+    assert [i for i, _ in seen] == list(range(LAYERS))
+    for i, loaded in seen:
+        assert loaded[i]
+        if mode == "disk":  # only the neighbours may be loaded besides the current layer
+            assert not any(loaded[j] for j in range(LAYERS) if abs(j - i) > 1)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert not any(offload.is_released(x) for x in model.model.layers)
+
+
+def test_a_budget_without_room_for_the_neighbours_moves_in_line(ahead):
+    float_model, done, full = six_layers()
+    layer_bytes = own_bytes(float_model.model.layers[0])
+    model = copy.deepcopy(float_model)
+    probe = jgptq.quantize_moe(copy.deepcopy(float_model), CALIB, offload="cpu", **OPTS).report.memory
+    alone = probe["need"]["total"] - 2 * layer_bytes                     # the need with one layer on the device
+    result = jgptq.quantize_moe(model, CALIB, offload="cpu", device_budget=alone + layer_bytes, **OPTS)
+    resume_tests.assert_same(done, full, model, result)
+    assert result.report.memory["moves_ahead"] is False
+    assert result.report.memory["need"]["total"] == alone
+    assert result.report.memory["peak_parameters_on_device"] == own_bytes(float_model) - (LAYERS - 1) * layer_bytes
+
+
+def test_a_failed_move_stops_the_run_and_the_model_is_whole_again(ahead, monkeypatch, tmp_path):
+    float_model, done, _ = six_layers()
+    model = copy.deepcopy(float_model)
+    read = offload.read_layer
+
+    def fail_on_third(layer, path, device="cpu"):
+        if path.name.endswith("00003.safetensors") and threading.current_thread() is not threading.main_thread():
+            raise OSError("read error")
+        read(layer, path, device)
+
+    monkeypatch.setattr(offload, "read_layer", fail_on_third)
+    with pytest.raises(OSError, match="read error"):
+        jgptq.quantize_moe(model, CALIB, offload="disk", offload_dir=tmp_path / "layers", **OPTS)
+    assert not any(offload.is_released(x) for x in model.model.layers) and not (tmp_path / "layers").exists()
+    for i, layer in enumerate(model.model.layers):  # layers 0-2 quantized, the rest as they were
+        ref = (done if i <= 2 else float_model).model.layers[i].state_dict()
+        assert all(torch.equal(v, ref[k]) for k, v in layer.state_dict().items())
+
+
+def test_moves_run_in_order_on_one_worker_and_raise_on_wait():
+    moves = Moves(torch.device("cpu"), 1)
+    order = []
+    moves.submit("a", lambda: (time.sleep(0.05), order.append("a"))[1])
+    moves.submit("b", lambda: order.append("b") or 7)
+    with pytest.raises(RuntimeError, match="already pending"):
+        moves.submit("b", lambda: None)
+    assert moves.keys() == ["a", "b"] and moves.pending("a")
+    assert moves.wait("b") == 7 and order == ["a", "b"] and not moves.pending("b")
+    assert moves.wait("missing") is None and moves.done("missing")
+    moves.submit("c", lambda: 1 / 0)
+    moves.submit("d", lambda: order.append("d"))
+    with pytest.raises(ZeroDivisionError):
+        moves.wait_all()
+    assert order == ["a", "b", "d"] and moves.keys() == []
+    moves.close()
