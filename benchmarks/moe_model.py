@@ -9,8 +9,10 @@ random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetri
 of a layer in one vmapped solve per shape.
 
 Reported: total wall time and per-stage seconds summed over layers (capture, calibrate = forward + Hessian
-accumulation, solve, write-back, replay = forward with quantized weights; the Hessian share is estimated as
-calibrate - replay, since both run the same forward), the host<->GPU layer moves, the export of a
+accumulation, solve, write-back, store = waiting for the checkpoint records made beside the next layer, replay =
+forward with quantized weights; the Hessian share is estimated as calibrate - replay, since both run the same
+forward), the host<->GPU layer moves (those that run beside the work count only where the pipeline waited for
+them; ``memory.prepare_s`` is the placement before the first layer), the export of a
 compressed-tensors checkpoint when asked, the peak GPU memory of torch and of JAX, and the pipeline's memory record
 (``report.memory``: estimated need of the largest layer, peak parameter bytes on the GPU and in host memory).
 

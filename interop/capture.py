@@ -392,57 +392,71 @@ class Collector:
             return
         n_exp = self.experts[name][1].num_experts
         keep = None if self._keep is None else self._keep[tok]
-        count_t = torch.as_tensor(counts, device=x.device)
-        expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), count_t)
-        real = count_t if keep is None else torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(
-            0, expert, keep.long())
-        pos = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(count_t, 0) - count_t)[expert]
-        for e, n in enumerate(real.tolist()):
+        real = list(counts)
+        if keep is not None:
+            count_t = torch.as_tensor(counts, device=x.device)
+            expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), count_t)
+            real = torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(0, expert, keep.long()).tolist()
+        for e, n in enumerate(real):
             self.routed[name][e] += n
         for part, rows in (("gate_up", x), ("down", h)):
-            self._add_grouped((name, part), rows, expert, pos, keep, real.tolist(), n_exp,
+            self._add_grouped((name, part), rows, counts, keep, real, n_exp,
                               f"{name} {'gate/up' if part == 'gate_up' else part}")
 
-    def _add_grouped(self, key, rows, expert, pos, keep, real: list, n_exp: int, name: str):
+    def _add_grouped(self, key, rows, counts: list, keep, real: list, n_exp: int, name: str):
         """Experts with a similar number of rows (the same power-of-two bucket) are padded to that bucket and
         added together, a group of at most ``_GROUP_BYTES`` (a power of two of experts) per call; an expert with
         more than ``_MAX_ROWS`` rows is added in passes of ``_MAX_ROWS``. See :func:`_fixed_group_sizes` for the
-        number of slots of a group."""
-        c = rows.shape[-1]
-        fixed = _fixed_group_sizes(rows.device)
+        number of slots of a group.
+
+        ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
+        computed positions (padding positions read any row and are masked out), so that packing needs no
+        device synchronization beyond one small copy of the group layout per call."""
+        c, dev = rows.shape[-1], rows.device
+        fixed = _fixed_group_sizes(dev)
         cap = 1 << (n_exp - 1).bit_length()
-        counts = torch.bincount(expert, minlength=n_exp).tolist()
+        starts = [0] * n_exp
+        for e in range(1, n_exp):
+            starts[e] = starts[e - 1] + counts[e - 1]
         levels: dict = {}
         for e, n in enumerate(counts):
             if n:
                 levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
-        state = self.states.get(key)
-        sq = self.squares.get(key)
-        slot_of = torch.full((n_exp,), -1, dtype=torch.long, device=rows.device)
+        groups = []                               # (rows per slot p, experts of the slots (-1: padding))
         for p, members in sorted(levels.items()):
             most = max(1, _GROUP_BYTES // (p * c * rows.element_size()))
             most = 1 << (most.bit_length() - 1)
             for i in range(0, len(members), most):
                 chunk = members[i:i + most]
                 g = min(most, cap) if fixed else min(most, 1 << (len(chunk) - 1).bit_length())
-                slot_of.fill_(-1)
-                slot_of[chunk] = torch.arange(len(chunk), device=rows.device)
-                slot = slot_of[expert]
-                index = chunk + [chunk[0]] * (g - len(chunk))  # padding slots add nothing
-                for offset in range(0, max(counts[e] for e in chunk), p):
-                    sel = (slot >= 0) & (pos >= offset) & (pos < offset + p)
-                    padded = rows.new_zeros((g, p, c))
-                    mask = torch.zeros((g, p), dtype=torch.bool, device=rows.device)
-                    at = (slot[sel], pos[sel] - offset)
-                    padded[at] = rows[sel]
-                    mask[at] = True if keep is None else keep[sel]
-                    xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
-                    if state is None:
-                        dev = next(iter(xj.devices()))
-                        state = hessian.init_stacked(n_exp, c, dev)
-                        sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), dev), [0] * n_exp]
-                    state, sq[0] = hessian.accumulate_group(state, sq[0], index, xj, mj,
-                                                            input_dtype=self.input_dtype, name=name)
+                groups.append((p, chunk + [-1] * (g - len(chunk))))
+        if not groups:
+            return
+        # the layout of every group (first row, rows) in one small host-to-device copy
+        layout = torch.tensor([[starts[e], counts[e]] if e >= 0 else [0, 0] for _, slots in groups for e in slots],
+                              dtype=torch.long)
+        layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
+        state = self.states.get(key)
+        sq = self.squares.get(key)
+        at = 0
+        for p, slots in groups:
+            g = len(slots)
+            first, size = layout[at:at + g, 0, None], layout[at:at + g, 1, None]
+            at += g
+            span = torch.arange(p, device=dev)
+            index = [e if e >= 0 else slots[0] for e in slots]  # padding slots add nothing
+            for offset in range(0, max(counts[e] for e in slots if e >= 0), p):
+                valid = (offset + span) < size                                   # (g, p)
+                idx = torch.where(valid, first + offset + span, 0)
+                padded = rows[idx]
+                mask = valid if keep is None else valid & keep[idx]
+                xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+                if state is None:
+                    jdev = next(iter(xj.devices()))
+                    state = hessian.init_stacked(n_exp, c, jdev)
+                    sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), jdev), [0] * n_exp]
+                state, sq[0] = hessian.accumulate_group(state, sq[0], index, xj, mj,
+                                                        input_dtype=self.input_dtype, name=name)
         if state is not None:
             for e, n in enumerate(real):
                 sq[1][e] += n
