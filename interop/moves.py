@@ -75,6 +75,15 @@ class Moves:
         fut: Future = self._pending.get(key)
         return fut is None or fut.done()
 
+    def cancel(self, key: Hashable) -> bool:
+        """Drops the move of ``key`` if it has not started; returns whether it was dropped (False: none is pending,
+        or it runs or ran, and :meth:`wait` gives its end)."""
+        fut: Future = self._pending.get(key)
+        if fut is None or not fut.cancel():
+            return False
+        del self._pending[key]
+        return True
+
     def wait(self, key: Hashable):
         """Waits for the move of ``key`` and returns its result (None when none is pending); raises its error."""
         fut = self._pending.pop(key, None)

@@ -541,8 +541,8 @@ class Placement:
             return
         with self._lock:
             self._claimed = max(self._claimed, i + 1)
-        for j in (i, i + 1):
-            if self._evac.pending(j) and self._evac.wait(j):
+        for j in (i, i + 1):  # dropped when not started (it would wait behind the layers queued before it)
+            if self._evac.pending(j) and not self._evac.cancel(j) and self._evac.wait(j):
                 self.on_device.discard(j)
 
     def _settle(self) -> None:

@@ -103,4 +103,13 @@ def test_moves_run_in_order_on_one_worker_and_raise_on_wait():
     with pytest.raises(ZeroDivisionError):
         moves.wait_all()
     assert order == ["a", "b", "d"] and moves.keys() == []
+    # a move not yet started can be dropped; one under way cannot
+    started, release = threading.Event(), threading.Event()
+    moves.submit("slow", lambda: (started.set(), release.wait(5)))
+    moves.submit("queued", lambda: order.append("queued"))
+    started.wait(5)
+    assert not moves.cancel("slow") and moves.cancel("queued") and not moves.cancel("missing")
+    release.set()
+    moves.wait_all()
+    assert "queued" not in order and moves.keys() == []
     moves.close()
