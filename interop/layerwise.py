@@ -71,7 +71,7 @@ from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_jax
 from interop.report import ModuleRecord, QuantizeResult, Report
-from interop.solve import Part, solve_layer, warm_solves
+from interop.solve import Part, solve_layer, solve_shapes, warm_solves
 from jgptq.config import PipelineConfig
 from jgptq.export.records import QuantizedWeight
 
@@ -179,8 +179,7 @@ def _param_specs(prefix, targets):
         for n, m in t.linears.items():
             specs[f"{prefix}.{i}.{n}.weight"] = (None, m.out_features, False)
         for n, (_, lay) in t.experts.items():
-            out_up = 2 * lay.inter if lay.gated else lay.inter
-            specs[f"{prefix}.{i}.{n}.{lay.up_name}"] = (lay.num_experts, out_up, lay.transposed)
+            specs[f"{prefix}.{i}.{n}.{lay.up_name}"] = (lay.num_experts, lay.up_rows, lay.transposed)
             specs[f"{prefix}.{i}.{n}.down_proj"] = (lay.num_experts, lay.hidden, lay.transposed)
     return specs
 
@@ -232,14 +231,6 @@ def _write_back(part, weight):
         dst = part.module.transpose(1, 2) if part.transposed else part.module
     with torch.no_grad():
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
-
-
-def _solve_shapes(target) -> set:
-    """(experts?, rows, columns) of the matrices of a layer's targets."""
-    shapes = {(False, m.out_features, m.in_features) for m in target.linears.values()}
-    for _, lay in target.experts.values():
-        shapes |= {(True, (2 if lay.gated else 1) * lay.inter, lay.hidden), (True, lay.hidden, lay.inter)}
-    return shapes
 
 
 def _store_layer(names, solved, cfg) -> dict:
@@ -448,7 +439,7 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
     show = cfg.progress
     warm = None
     if warmed is not None:
-        shapes = _solve_shapes(target)
+        shapes = solve_shapes(target)
         if not shapes <= warmed:  # a layer of new shapes: its solve programs compile beside the calibration
             warm = warm_solves(target, cfg, devices=devices)
             warmed.update(shapes)

@@ -118,6 +118,11 @@ class ExpertsLayout:
         return cls(up_name, transposed, flag(module, "is_concatenated"), gated, flag(module, "has_bias"),
                    flag(module, "has_post_expert_norm"), e, hidden, inter)
 
+    @property
+    def up_rows(self) -> int:
+        """Output rows of one expert's up (gate/up) projection: 2I for gated experts, I otherwise."""
+        return 2 * self.inter if self.gated else self.inter
+
     def linear(self, param: torch.Tensor) -> torch.Tensor:
         """(E, out, in) view of a stored 3-D weight (a transposed view when the storage is (E, in, out))."""
         return param.transpose(1, 2) if self.transposed else param

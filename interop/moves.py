@@ -89,26 +89,29 @@ class Moves:
         fut = self._pending.pop(key, None)
         return None if fut is None else fut.result()
 
+    def wait_each(self) -> tuple[dict, dict]:
+        """Waits for every pending move, in submission order, raising nothing; returns ``(results, errors)``:
+        key -> result of the moves that ended well, key -> exception of those that failed."""
+        results, errors = {}, {}
+        for key in list(self._pending):
+            try:
+                results[key] = self.wait(key)
+            except BaseException as exc:  # noqa: BLE001 - every move must end before anything is raised
+                errors[key] = exc
+        return results, errors
+
     def wait_all(self) -> list:
         """Waits for every pending move; returns the keys of those that ended, raises the first error after all
         have ended."""
-        first, keys = None, list(self._pending)
-        for key in keys:
-            try:
-                self.wait(key)
-            except BaseException as exc:  # noqa: BLE001 - every move must end before anything is raised
-                first = first or exc
-        if first is not None:
-            raise first
-        return keys
+        results, errors = self.wait_each()
+        if errors:
+            raise next(iter(errors.values()))
+        return list(results)
 
     def close(self) -> None:
         """Waits for every move (errors are dropped: call :meth:`wait_all` first to see them) and stops the
         workers."""
-        try:
-            self.wait_all()
-        except BaseException:  # noqa: BLE001 - see the docstring
-            pass
+        self.wait_each()
         self._pool.shutdown(wait=True)
 
 

@@ -239,10 +239,9 @@ def layer_need(layer, target, activations: int, all_experts: bool) -> LayerNeed:
         buckets[(False, r, c)] = buckets.get((False, r, c), 0) + 1
     for _, lay in target.experts.values():
         e, h, inter = lay.num_experts, lay.hidden, lay.inter
-        up_rows = 2 * inter if lay.gated else inter
         hess += h * h * (1 if all_experts else e) + e * inter * inter
-        results += e * (up_rows * h + h * inter)
-        for key in ((True, up_rows, h), (True, h, inter)):
+        results += e * (lay.up_rows * h + h * inter)
+        for key in ((True, lay.up_rows, h), (True, h, inter)):
             buckets[key] = buckets.get(key, 0) + e
     work = max((n * c * (c + r) for (_, r, c), n in buckets.items()), default=0)
     return LayerNeed(nbytes(unique_tensors(layer).values()), int(activations), 4 * hess, 4 * (results + work))
@@ -466,28 +465,23 @@ class Placement:
             resident = [i for i, layer in enumerate(self.layers)
                         if any(_same_device(t.device, self.device) for t in unique_tensors(layer).values())]
             if resident:
-                self._evac, self._claimed = Moves(self.device, 1), -1
+                self._evac = Moves(self.device, 1)
                 for j in reversed(resident):
                     self._evac.submit(j, functools.partial(self._evacuate, j), after_current=True)
                 self.on_device |= set(resident)
                 eager = [i for i in eager if i not in resident]
         if self.mode in ("cpu", "disk") and eager:
-            moves, error = Moves(self.device, PREPARE_WORKERS), None
+            moves = Moves(self.device, PREPARE_WORKERS)
             try:
                 for i in eager:
                     moves.submit(i, functools.partial(self._leave, i), after_current=True)
-                for i in eager:
-                    try:
-                        moves.wait(i)
-                    except BaseException as exc:  # noqa: BLE001 - the other moves end first
-                        error = error or exc
-                    else:
-                        if self.mode == "disk":
-                            self._written.add(i)
+                done, errors = moves.wait_each()
             finally:
                 moves.close()
-            if error is not None:
-                raise error
+            if self.mode == "disk":
+                self._written.update(done)
+            if errors:
+                raise next(iter(errors.values()))
         if self.mode == "cpu":
             self.homes = [torch.device("cpu")] * len(self.layers)
         self._prepared = True
@@ -598,32 +592,24 @@ class Placement:
         host memory (after a failure too: the model is whole again, finished layers quantized, the layer being
         processed as it was before) and the files are removed unless kept; the peaks go to ``memory``."""
         t0 = time.perf_counter()
-        error = None
         try:
+            errors: dict = {}
             if self._evac is not None:
                 evac, self._evac = self._evac, None
                 with self._lock:
                     self._claimed = len(self.layers)  # the evacuations not yet started are dropped
                 try:
-                    for j in evac.keys():
-                        try:
-                            if evac.wait(j):
-                                self.on_device.discard(j)
-                        except BaseException as exc:  # noqa: BLE001 - raised below, once the layers are in place
-                            error = error or exc
+                    moved, errors = evac.wait_each()
                 finally:
                     evac.close()
+                self.on_device -= {j for j, went in moved.items() if went}
             if self._moves is not None:
-                moves, self._moves, broken = self._moves, None, set()
+                moves, self._moves = self._moves, None
                 try:
-                    for key in moves.keys():
-                        try:
-                            moves.wait(key)
-                        except BaseException as exc:  # noqa: BLE001 - raised below, once the layers are in place
-                            error = error or exc
-                            broken.add(key)
+                    _, broken = moves.wait_each()
                 finally:
                     moves.close()
+                errors = {**errors, **broken}
                 for i in sorted(self._early):
                     if ("in", i) not in broken:
                         self._leave(i)
@@ -635,8 +621,8 @@ class Placement:
                     read_layer(self.layers[i], layer_file(self.dir, i), "cpu")
                 if not self.keep:
                     self._remove_files()
-            if error is not None:
-                raise error
+            if errors:  # raised once the layers are in place
+                raise next(iter(errors.values()))
         finally:
             self.memory.update(peak_parameters_on_device=self.peak, peak_host_parameters=self.peak_host,
                                finish_s=time.perf_counter() - t0)

@@ -194,6 +194,14 @@ def _jax_dtype(dtype):
     return jnp.dtype(str(dtype).replace("torch.", ""))
 
 
+def solve_shapes(target) -> set:
+    """The buckets a layer with targets ``target`` is solved in: (experts?, rows, columns) of its matrices."""
+    shapes = {(False, m.out_features, m.in_features) for m in target.linears.values()}
+    for _, lay in target.experts.values():
+        shapes |= {(True, lay.up_rows, lay.hidden), (True, lay.hidden, lay.inter)}
+    return shapes
+
+
 def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
     """Starts compiling, on a background thread, the solve programs that :func:`solve_layer` will run for a layer
     with targets ``target`` (:func:`interop.models.layer_targets`), so that the first layer's compiles overlap its
@@ -212,9 +220,8 @@ def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
         buckets.setdefault((False, w.shape[0], w.shape[1]), []).append((1, _jax_dtype(w.dtype), "own"))
     for module, lay in target.experts.values():
         up = getattr(module, lay.up_name)
-        shared = cfg.moe.calibration == "all_experts"
-        for rows, cols, tie in (((2 if lay.gated else 1) * lay.inter, lay.hidden, "shared" if shared else "own"),
-                                (lay.hidden, lay.inter, "own")):
+        up_tie = "shared" if cfg.moe.calibration == "all_experts" else "own"
+        for rows, cols, tie in ((lay.up_rows, lay.hidden, up_tie), (lay.hidden, lay.inter, "own")):
             buckets.setdefault((True, rows, cols), []).append((lay.num_experts, _jax_dtype(up.dtype), tie))
     jobs = []
     for (expert, rows, cols), members in buckets.items():
