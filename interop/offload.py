@@ -20,9 +20,8 @@ Before the run, the layers are moved to host memory or written to their files by
 ``"cpu"``, moves ahead and no ``device_budget``, layers that start on the device leave it instead from the last one
 back while the run works (the device is as full at the start as it was given).
 
-A layer file holds each distinct tensor of the layer once (parameters and buffers, persistent or not), under its
-``state_dict`` name; tied tensors are listed as aliases in the header and are tied again on loading. Files are
-written under a temporary name and renamed into place.
+Layer files and what a layer holds: :mod:`interop.layer_files` (``load_layer`` and ``reload_all`` are importable
+from here too).
 
 Device budget (``PipelineConfig.device_budget``): before any work, each layer's need on the device is estimated
 (:class:`LayerNeed`: its parameters, the calibration activations of a layer's input and output, the Hessian
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -49,12 +47,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from interop import models
+from interop.layer_files import (  # noqa: F401 - load_layer, reload_all: public here too, as documented
+    host_bytes, is_released, layer_file, load_layer, nbytes, read_layer, release_layer, reload_all, tensor_slots,
+    unique_tensors, write_layer)
 from interop.moves import Moves, Staging
 from interop.report import format_bytes
 
-FILE = "offload-layer-{:05d}.safetensors"
-FORMAT = "jgptq-offload-layer"
 PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places before the run
 # moves between a CUDA device and host memory go through pinned buffers (see interop.moves.Staging); the
 # environment variable JGPTQ_STAGED_MOVES=0 turns them back to plain ``module.to`` copies
@@ -63,144 +61,6 @@ STAGED_MOVES = os.environ.get("JGPTQ_STAGED_MOVES", "1") != "0"
 
 class DeviceBudgetError(ValueError):
     """The run would place more bytes on the device than ``device_budget`` allows."""
-
-
-# -- tensors of a module ---------------------------------------------------------------------------------------
-def _slots(module: nn.Module):
-    """(state_dict-style name, owner, "_parameters" | "_buffers", attribute, tensor) for every tensor slot of
-    ``module``: a tensor tied to several places appears once per place."""
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for attr, t in getattr(owner, kind).items():
-                if t is not None:
-                    yield (f"{prefix}.{attr}" if prefix else attr), owner, kind, attr, t
-
-
-def unique_tensors(module: nn.Module) -> dict:
-    """id -> tensor of every distinct parameter and buffer of ``module`` (tied tensors once)."""
-    return {id(t): t for _, _, _, _, t in _slots(module)}
-
-
-def nbytes(tensors) -> int:
-    """Bytes of the storage of ``tensors`` (an iterable of tensors; meta tensors count as if materialized)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def host_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s distinct parameters and buffers that are in host memory (on the CPU) now."""
-    return nbytes(t for t in unique_tensors(model).values() if t.device.type == "cpu")
-
-
-def is_released(layer: nn.Module) -> bool:
-    """True when any tensor of ``layer`` is on the meta device (released by disk offload)."""
-    return any(t.device.type == "meta" for t in unique_tensors(layer).values())
-
-
-# -- layer files ------------------------------------------------------------------------------------------------
-def layer_file(directory, i: int) -> Path:
-    """The file of decoder layer ``i`` in ``directory``."""
-    return Path(directory) / FILE.format(i)
-
-
-def write_layer(layer: nn.Module, path) -> None:
-    """Writes every distinct tensor of ``layer`` to the safetensors file ``path`` (atomically: a temporary name,
-    then a rename), tied tensors once with their other names as aliases.
-
-    Raises:
-      ValueError: a tensor of the layer is released (on meta): there is nothing to write.
-    """
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    first: dict = {}
-    aliases, tensors, storages = {}, {}, set()
-    for name, _, _, _, t in _slots(layer):
-        if id(t) in first:
-            aliases[name] = first[id(t)]
-            continue
-        first[id(t)] = name
-        if t.device.type == "meta":
-            raise ValueError(f"{name}: the tensor is released (meta device); load the layer before writing it")
-        data = t.detach()
-        storage = (str(data.device), data.untyped_storage().data_ptr())
-        if data.numel() and storage in storages:  # distinct tensors over one storage: stored apart
-            data = data.clone()
-        storages.add(storage)
-        tensors[name] = data.contiguous()
-    meta = {"format": FORMAT, "aliases": json.dumps(aliases)}
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def release_layer(layer: nn.Module) -> None:
-    """Replaces every tensor of ``layer`` by a meta tensor of the same shape, dtype and kind (parameters stay
-    parameters, ties stay tied), so that its storage is freed once nothing else holds it."""
-    twins: dict = {}
-    for _, owner, kind, attr, t in list(_slots(layer)):
-        twin = twins.get(id(t))
-        if twin is None:
-            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            twin = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
-            twins[id(t)] = twin
-        getattr(owner, kind)[attr] = twin
-
-
-def read_layer(layer: nn.Module, path, device="cpu") -> None:
-    """Fills ``layer`` (released or not) with the tensors of the file ``path``, placed on ``device``.
-
-    Raises:
-      ValueError: the file is not a layer file, or its names, shapes or dtypes are not the layer's.
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    slots = list(_slots(layer))
-    with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a jgptq layer file (format {meta.get('format')!r})")
-        aliases = json.loads(meta["aliases"])
-        stored = set(f.keys()) | set(aliases)
-        wanted = {name for name, *_ in slots}
-        if stored != wanted:
-            raise ValueError(f"{path}: holds other tensors than the layer (only in the file: "
-                             f"{sorted(stored - wanted)[:5]}, only in the layer: {sorted(wanted - stored)[:5]})")
-        made: dict = {}
-        for name, owner, kind, attr, t in slots:
-            key = aliases.get(name, name)
-            new = made.get(key)
-            if new is None:
-                data = f.get_tensor(key)
-                if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
-                    raise ValueError(f"{path}: {key} is {tuple(data.shape)} {data.dtype} in the file but "
-                                     f"{tuple(t.shape)} {t.dtype} in the layer")
-                new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-                made[key] = new
-            getattr(owner, kind)[attr] = new
-
-
-def load_layer(model: nn.Module, i: int, offload_dir, device="cpu") -> nn.Module:
-    """Loads decoder layer ``i`` of ``model`` from its file in ``offload_dir`` onto ``device``; returns the layer.
-
-    The model returned by ``quantize_moe(..., offload="disk", reload=False, offload_dir=DIR)`` has its layers on
-    the meta device and their quantized tensors in DIR: ``load_layer(model, i, DIR)`` makes layer ``i`` usable.
-    """
-    layer = models.find_decoder_layers(model)[1][i]
-    read_layer(layer, layer_file(offload_dir, i), device)
-    return layer
-
-
-def reload_all(model: nn.Module, offload_dir, device="cpu") -> None:
-    """Loads every released decoder layer of ``model`` from ``offload_dir`` onto ``device`` (the whole model is
-    then usable, e.g. for export)."""
-    for i, layer in enumerate(models.find_decoder_layers(model)[1]):
-        if is_released(layer):
-            read_layer(layer, layer_file(offload_dir, i), device)
 
 
 # -- what a layer needs on the device --------------------------------------------------------------------------
@@ -299,13 +159,13 @@ def _check_not_shared(model, layers) -> None:
     """Disk offload releases a layer's tensors: none may also belong to another layer or to the rest of the model."""
     owner: dict = {}
     for i, layer in enumerate(layers):
-        for name, _, _, _, t in _slots(layer):
+        for name, _, _, _, t in tensor_slots(layer):
             if owner.setdefault(id(t), (i, name))[0] != i:
                 raise ValueError(f"offload='disk': {name} of decoder layer {i} is the same tensor as "
                                  f"{owner[id(t)][1]} of layer {owner[id(t)][0]}; a layer file cannot hold it "
                                  f"(use offload='cpu')")
     inside = {id(m) for layer in layers for m in layer.modules()}
-    for name, module, _, _, t in _slots(model):
+    for name, module, _, _, t in tensor_slots(model):
         got = owner.get(id(t))
         if got is not None and id(module) not in inside:
             raise ValueError(f"offload='disk': {name} is the same tensor as {got[1]} of decoder layer {got[0]}; "
