@@ -106,11 +106,11 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
 
     sec = Sections(sync)
     originals = []
-    process = layerwise._process_layer
+    process = layerwise._layer_step
 
-    def process_layer(i, *a, **k):
+    def process_layer(run, i, *a, **k):
         sec.layer = i
-        return process(i, *a, **k)
+        return process(run, i, *a, **k)
 
     def run_layer(layer, hs, rest, kwargs):
         if capture._ACTIVE.get() is None:  # replay: timed by the report
@@ -118,7 +118,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
         with sec.section("layer forward"):
             return run_layer.fn(layer, hs, rest, kwargs)
 
-    run_layer.fn = layerwise._run_layer
+    run_layer.fn = layerwise.run_layer
     accumulate_group = hessian.accumulate_group
 
     def timed_group(*a, **k):
@@ -127,7 +127,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
             jax.block_until_ready(res)
         return res
 
-    patches = [(layerwise, "_process_layer", process_layer), (layerwise, "_run_layer", run_layer),
+    patches = [(layerwise, "_layer_step", process_layer), (layerwise, "run_layer", run_layer),
                (hessian, "accumulate_group", timed_group)]
     for owner, attr, new in patches:
         originals.append((owner, attr, getattr(owner, attr)))

@@ -134,6 +134,56 @@ class ExpertsLayout:
         return slice(0, 2 * self.inter, 2), slice(1, 2 * self.inter, 2)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Matrix:
+    """One quantization target of a decoder layer, as every walker of a layer sees it: a linear module's weight,
+    or one fused parameter of an experts module (a stack of E matrices).
+
+    Attributes:
+      name: relative to the decoder layer: ``self_attn.q_proj`` (a linear module) or ``mlp.experts.down_proj``.
+      kind: ``"linear"``, ``"expert_gate_up"`` or ``"expert_down"``.
+      rows, cols: one matrix's (out, in) shape in nn.Linear orientation.
+      experts: E for a fused experts parameter, None for a linear module.
+      transposed: the parameter is stored (E, in, out).
+      module_name: the module holding it (``self_attn.q_proj``, ``mlp.experts``).
+      hessian_key: the capture's key of its Hessian (a linear's module name, or (experts module, ``"gate_up"`` or
+        ``"down"``)).
+      module: the nn.Linear or the experts module; layout: the experts' :class:`ExpertsLayout` (None for linear).
+    """
+
+    name: str
+    kind: str
+    rows: int
+    cols: int
+    experts: "int | None"
+    transposed: bool
+    module_name: str
+    hessian_key: object
+    module: nn.Module
+    layout: "ExpertsLayout | None" = None
+
+    @property
+    def count(self) -> int:
+        """Matrices in the stack: E, or 1 for a linear module."""
+        return self.experts or 1
+
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The torch parameter that holds it."""
+        if self.layout is None:
+            return self.module.weight
+        return getattr(self.module, self.name.rsplit(".", 1)[1])
+
+    def param_name(self, base: str) -> str:
+        """The model parameter name under the decoder layer ``base`` (``model.layers.3``)."""
+        return f"{base}.{self.name}.weight" if self.layout is None else f"{base}.{self.name}"
+
+    def weight(self) -> torch.Tensor:
+        """The (count, rows, cols) nn.Linear-orientation view of the parameter (no copy)."""
+        p = self.parameter.detach()
+        return p[None] if self.layout is None else self.layout.linear(p)
+
+
 @dataclasses.dataclass
 class LayerTargets:
     """The quantization targets of one decoder layer (names relative to the layer)."""
@@ -141,6 +191,33 @@ class LayerTargets:
     linears: dict          # name -> nn.Linear
     experts: dict          # name -> (module, ExpertsLayout)
     skipped: list          # names of parameters left in floating point, with the reason
+    dropped: frozenset = frozenset()   # relative names of matrices left out by the plan
+
+    def matrices(self) -> list:
+        """Every target :class:`Matrix` of the layer: linear modules in module order, then each experts
+        module's up (gate/up) and down projections. The single walk of a layer's matrices."""
+        out = [Matrix(n, "linear", m.out_features, m.in_features, None, False, n, n, m)
+               for n, m in self.linears.items()]
+        for n, (module, lay) in self.experts.items():
+            out.append(Matrix(f"{n}.{lay.up_name}", "expert_gate_up", lay.up_rows, lay.hidden, lay.num_experts,
+                              lay.transposed, n, (n, "gate_up"), module, lay))
+            out.append(Matrix(f"{n}.down_proj", "expert_down", lay.hidden, lay.inter, lay.num_experts,
+                              lay.transposed, n, (n, "down"), module, lay))
+        return [m for m in out if m.name not in self.dropped]
+
+    def without(self, names: set, reason: str = "excluded") -> "LayerTargets":
+        """These targets less the matrices named in ``names`` (relative names): a linear module leaves; an
+        experts module leaves when both of its matrices do (its calibration is still needed otherwise)."""
+        if not names:
+            return self
+        linears = {n: m for n, m in self.linears.items() if n not in names}
+        experts, skipped = {}, list(self.skipped) + [(n, reason) for n in self.linears if n in names]
+        for n, (module, lay) in self.experts.items():
+            mine = {f"{n}.{lay.up_name}", f"{n}.down_proj"} & names
+            skipped += [(m, reason) for m in sorted(mine)]
+            if len(mine) < 2:
+                experts[n] = (module, lay)
+        return LayerTargets(linears, experts, skipped, self.dropped | frozenset(names))
 
 
 def _is_router(name: str) -> bool:

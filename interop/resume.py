@@ -265,15 +265,11 @@ def restore_layer(ckpt: Checkpoint, layer: int, target, prefix: str, names: dict
     for stage, seconds in part["timings"].items():
         report.add_time(layer, stage, seconds)
     base = f"{prefix}.{layer}"
-    params = [(f"{base}.{n}.weight", m.weight, False) for n, m in target.linears.items()]
-    for n, (module, lay) in target.experts.items():
-        params += [(f"{base}.{n}.{lay.up_name}", getattr(module, lay.up_name), lay.transposed),
-                   (f"{base}.{n}.down_proj", module.down_proj, lay.transposed)]
-    for pname, param, transposed in params:
-        dst = param.transpose(-1, -2) if transposed else param
-        full = np.zeros(((1,) if dst.ndim == 2 else ()) + tuple(dst.shape), np.float32)
+    for m in target.matrices():
+        dst = m.weight()
+        full = np.zeros(tuple(dst.shape), np.float32)
         n, r, c = full.shape
-        for key, expert, rows in names[pname]:
+        for key, expert, rows in names[m.param_name(base)]:
             if key not in weights:
                 raise ResumeMismatchError(f"{ckpt.dir}: layer {layer} holds no record for {key}; start over with "
                                           f"resume=False (command line: --no-resume)")
@@ -285,7 +281,7 @@ def restore_layer(ckpt: Checkpoint, layer: int, target, prefix: str, names: dict
                 full[0][rows] = deq
             else:
                 full.reshape(n * r, c)[rows] = deq.reshape(-1, c)
-        src = torch.from_numpy(full if dst.ndim == 3 else full[0])
+        src = torch.from_numpy(full)
         with torch.no_grad():
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 

@@ -2,8 +2,8 @@
 
 A weight is named relative to its decoder layer, as the pipeline sees it: ``self_attn.v_proj``,
 ``mlp.down_proj``, ``mlp.experts.down_proj`` (a fused experts stack), ``mlp.experts.gate_up_proj``. The format of a
-weight is, in order: the first matching ``(regex, format)`` rule of ``PipelineConfig.formats`` (``re.search``);
-else the rule of the preset ``PipelineConfig.mix``; else the default ``QuantConfig.format``.
+weight is, in order: the first matching rule of the run (:func:`jgptq.plan.format_of`); else the rule of the preset
+``PipelineConfig.mix``; else the default ``QuantConfig.format``.
 
 Presets follow llama.cpp's ``llama_tensor_get_type_impl`` (``src/llama-quant.cpp``) for the weights of decoder
 layers (the output head and embeddings are not the pipeline's), with ``n_layer`` the model's decoder layers,
@@ -97,17 +97,6 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
     if cat == "attn_qkv":
         return {"q4_k_m": "q5_k", "q5_k_m": "q6_k", "q3_k_m": "q4_k"}.get(preset, base)
     return base
-
-
-def format_for(config, name: str, layer: int, n_layers: int, n_expert: int) -> str:
-    """The format of weight ``name`` (relative to its decoder layer) under a :class:`jgptq.config.PipelineConfig`:
-    first matching ``config.formats`` rule, else ``config.mix``'s choice, else ``config.quant.format``."""
-    for pattern, fmt in config.formats:
-        if re.search(pattern, name):
-            return fmt
-    if config.mix is not None:
-        return preset_format(config.mix, name, layer, n_layers, n_expert)
-    return config.quant.format
 
 
 def possible_formats(config) -> set:

@@ -9,8 +9,7 @@ import torch
 
 import jgptq
 from interop import ggml_plan, layerwise, resume
-from interop import solve as solve_mod
-from jgptq import mixes
+from jgptq import mixes, parallel, plan
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight
 from jgptq.ggml import encode, get_format
@@ -52,14 +51,14 @@ def assert_payloads_are_the_model(model, result):
 def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkeypatch):
     _RUNS.pop(("qwen3_moe", tuple(sorted((k, str(v)) for k, v in GPTQ.items()))), None)  # counts this run's calls
     calls = []
-    original = solve_mod.solve_bucket
+    original = parallel.solve_experts
 
     def counting(weights, hessians, config, **kw):
         calls.append((tuple(weights.shape), config.format, None if kw.get("importance") is None
                       else tuple(kw["importance"].shape)))
         return original(weights, hessians, config, **kw)
 
-    monkeypatch.setattr(solve_mod, "solve_bucket", counting)
+    monkeypatch.setattr(parallel, "solve_experts", counting)
     ref, model, result = run("qwen3_moe", **GPTQ)
     assert_payloads_are_the_model(model, result)
     cfg = model.config
@@ -179,14 +178,13 @@ def test_block_size_is_checked_before_any_work_and_fallback_is_reported():
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight: 64 input columns are not a "
                                          r"multiple of the q4_k block size 256"):
         jgptq.quantize_moe(model, CALIB, format="q4_k", **OPTS)
-    targets = [layerwise.models.layer_targets(layer) for layer in layerwise.models.find_decoder_layers(model)[1]]
+    layers = layerwise.models.find_decoder_layers(model)[1]
     cfg = PipelineConfig.build(None, format="q4_k", block_fallback="llama.cpp")
-    formats, notes = ggml_plan.choose_formats("model.layers", targets, cfg)
+    formats, notes = _formats("model.layers", layers, cfg)
     assert set(formats.values()) == {"q5_0"} and len(notes) == len(formats)
     assert "q5_0 used instead" in notes[0]
     with pytest.raises(ValueError, match="nor of the fallback"):
-        ggml_plan.choose_formats("model.layers", targets, PipelineConfig.build(None, format="q4_k",
-                                                                               block_fallback="iq4_xs"))
+        _formats("model.layers", layers, PipelineConfig.build(None, format="q4_k", block_fallback="iq4_xs"))
 
 
 def test_config_errors():
@@ -210,9 +208,14 @@ def test_config_errors():
 def _preset_formats(family, preset, layers):
     model = build(family, num_hidden_layers=layers)
     prefix, decoder = layerwise.models.find_decoder_layers(model)
-    targets = [layerwise.models.layer_targets(layer) for layer in decoder]
     cfg = PipelineConfig.build(None, mix=preset, block_fallback="llama.cpp")
-    return prefix, ggml_plan.choose_formats(prefix, targets, cfg)[0]
+    return prefix, _formats(prefix, decoder, cfg)[0]
+
+
+def _formats(prefix, layers, cfg):
+    """The planned format of every weight by parameter name, and the plan's fallback notes."""
+    _, plan = layerwise.plan_layers(prefix, layers, cfg)
+    return {p: m.format for p, m in plan.matrices.items()}, plan.notes
 
 
 def test_q4_k_m_preset_follows_llama_cpp():
@@ -241,7 +244,7 @@ def test_q4_k_m_preset_follows_llama_cpp():
     assert mixes.preset_format("q5_k_m", "mlp.down_proj", 7, 8, 1) == "q6_k"
     # explicit rules come first
     cfg = PipelineConfig.build(None, mix="q4_k_m", formats=((r"v_proj$", "iq4_xs"),))
-    assert mixes.format_for(cfg, "self_attn.v_proj", 0, 8, 4) == "iq4_xs"
+    assert plan.format_of(cfg, "self_attn.v_proj", 0, 8, 4) == "iq4_xs"
 
 
 

@@ -95,15 +95,15 @@ def test_disk_offload_matches_an_unoffloaded_run_within_a_budget_smaller_than_th
     layer_bytes = max(own_bytes(layer) for layer in float_model.model.layers)
     other = own_bytes(float_model) - LAYERS * layer_bytes
     seen = []
-    process = layerwise._process_layer
+    process = layerwise._layer_step
 
-    def watch(i, layer, *args, **kwargs):
+    def watch(run, i, layer, *args, **kwargs):
         layers = model.model.layers
         released = [offload.is_released(x) for x in layers]
         seen.append((i, own_bytes(model, "cpu"), released))
-        return process(i, layer, *args, **kwargs)
+        return process(run, i, layer, *args, **kwargs)
 
-    monkeypatch.setattr(layerwise, "_process_layer", watch)
+    monkeypatch.setattr(layerwise, "_layer_step", watch)
     model = copy.deepcopy(float_model)
     result = jgptq.quantize_moe(model, CALIB, offload="disk", device_budget=budget, **OPTS)
     resume_tests.assert_same(done, full, model, result)                 # the same bytes as without offload
@@ -237,8 +237,8 @@ def test_stopped_disk_offloaded_run_resumes_to_the_same_bytes(tmp_path, monkeypa
         assert all(torch.equal(v, ref[k]) for k, v in layer.state_dict().items())
     monkeypatch.setattr(resume_tests.resume.Checkpoint, "save_layer", original)
     solved = []
-    process = layerwise._process_layer
-    monkeypatch.setattr(layerwise, "_process_layer", lambda i, *a, **k: solved.append(i) or process(i, *a, **k))
+    process = layerwise._layer_step
+    monkeypatch.setattr(layerwise, "_layer_step", lambda run, i, *a, **k: solved.append(i) or process(run, i, *a, **k))
     model = copy.deepcopy(float_model)
     budget = budget_below_the_model(float_model)                  # offload settings may change between runs
     result = jgptq.quantize_moe(model, CALIB, reload=False, device_budget=budget, **opts)
@@ -259,13 +259,13 @@ def test_cuda_layers_leave_the_device_and_results_match(monkeypatch):
     ref = copy.deepcopy(float_model)
     full = jgptq.quantize_moe(ref, CALIB, **OPTS)
     where = []
-    process = layerwise._process_layer
+    process = layerwise._layer_step
 
-    def watch(i, layer, *args, **kwargs):
+    def watch(run, i, layer, *args, **kwargs):
         where.append([x.self_attn.q_proj.weight.device.type for x in model.model.layers])
-        return process(i, layer, *args, **kwargs)
+        return process(run, i, layer, *args, **kwargs)
 
-    monkeypatch.setattr(layerwise, "_process_layer", watch)
+    monkeypatch.setattr(layerwise, "_layer_step", watch)
     for mode in ("cpu", "disk"):
         where.clear()
         model = copy.deepcopy(float_model)

@@ -23,13 +23,13 @@ def ahead(monkeypatch):
 
 
 def watch_layers(monkeypatch, model, seen):
-    process = layerwise._process_layer
+    process = layerwise._layer_step
 
-    def watch(i, layer, *args, **kwargs):
+    def watch(run, i, layer, *args, **kwargs):
         seen.append((i, [not offload.is_released(x) for x in model.model.layers]))
-        return process(i, layer, *args, **kwargs)
+        return process(run, i, layer, *args, **kwargs)
 
-    monkeypatch.setattr(layerwise, "_process_layer", watch)
+    monkeypatch.setattr(layerwise, "_layer_step", watch)
 
 
 @pytest.mark.parametrize("mode", ["disk", "cpu"])

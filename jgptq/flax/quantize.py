@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgptq import gptq
+from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
 from jgptq.config import QuantConfig
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
-from jgptq.quantizers import uniform
 
 log = logging.getLogger("jgptq")
 
@@ -102,42 +101,33 @@ def decode(payload: dict) -> jax.Array:
     return take(scales, g_idx) * (codes - take(zeros, g_idx))
 
 
-def _rtn(weights, config: QuantConfig):
-    codes, grid, dq = jax.vmap(lambda w: uniform.round_to_nearest(w, config))(weights)
-    e, _, c = weights.shape
-    gs = c if config.group_size == -1 else config.group_size
-    g_idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32) // gs, (e, c))
-    perm = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (e, c))
-    payload = {"codes": codes, "scales": grid.scale, "zeros": grid.zero, "g_idx": g_idx, "perm": perm}
-    return dq, payload, {}
-
-
 def solve_weight(weights, hessians, tokens, config: QuantConfig, *, method: str = "gptq", name: str = "weight"):
-    """Solves one captured weight.
+    """Solves one captured weight through :func:`jgptq.bucket.quantize_bucket` (the torch pipeline's solve).
 
     Args:
       weights: float32 (E, R, C); hessians: float32 (E, C, C); tokens: int (E,) tokens behind each Hessian.
-      config: the :class:`QuantConfig`; method: ``"gptq"`` or ``"rtn"`` (round to nearest, the baseline).
+      config: the :class:`QuantConfig`; method: ``"gptq"`` or ``"rtn"`` (round to nearest, or the plain GGML
+        encode: the baseline).
     Returns:
-      (dequantized float32 (E, R, C), payload dict (leading E axis), report figures dict).
+      (dequantized float32 (E, R, C), payload dict (leading E axis), report figures dict). Experts that saw no
+      token are rounded to nearest (the plain encode for GGML formats) and listed in ``no_token_experts``.
     """
-    if method == "rtn":
-        if config.is_ggml:
-            raise ValueError(f"{name}: method='rtn' supports format='int' only, not {config.format!r}")
-        return _rtn(weights, config)
-    empty = np.flatnonzero(np.asarray(tokens) == 0)
+    tokens = np.asarray(tokens).reshape(-1)
+    empty = np.flatnonzero(tokens == 0) if method == "gptq" else np.zeros(0, np.int64)
     if empty.size:
         log.warning("%s: experts %s saw no calibration tokens; they are rounded to nearest", name, empty.tolist())
-        eye = jnp.eye(weights.shape[-1], dtype=jnp.float32)
-        keep = jnp.asarray(np.asarray(tokens) > 0)[:, None, None]
-        hessians = jnp.where(keep, hessians, eye)
-    importance = jnp.diagonal(hessians, axis1=-2, axis2=-1) if config.is_ggml else None
-    result = gptq.solve_experts(weights, hessians, config, importance=importance, name=name)
-    payload = {k: getattr(result, k) for k in ("codes", "scales", "zeros", "g_idx", "perm", "payload")
-               if getattr(result, k) is not None}
-    figures = gptq.summarize(result)
+    importance = None
+    if config.is_ggml:  # the Hessian diagonal; 1.0 for an expert that saw nothing, as llama.cpp does
+        diag = np.asarray(jnp.diagonal(hessians, axis1=-2, axis2=-1), np.float32).copy()
+        diag[tokens == 0] = 1.0
+        importance = diag
+    (solved,) = quantize_bucket([Stack(name, weights, hessians, tokens.tolist(), name, importance)],
+                                MatrixPlan(method, config))
+    payload = {k: getattr(solved, k) for k in ("codes", "scales", "zeros", "g_idx", "perm", "payload")
+               if getattr(solved, k) is not None}
+    figures = {k: v for k, v in solved.figures().items() if k not in ("method", "reason")}
     figures["no_token_experts"] = empty.tolist()
-    return result.weight, payload, figures
+    return solved.weight, payload, figures
 
 
 def _divisibility(info: WeightInfo, config: QuantConfig) -> Optional[str]:

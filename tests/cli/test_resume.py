@@ -71,8 +71,8 @@ def test_stopped_run_continues_after_its_last_finished_layer(tmp_path, monkeypat
                                                      "layer-00001.safetensors", "state.json"]
     monkeypatch.setattr(resume.Checkpoint, "save_layer", original)
     solved = []
-    process = layerwise._process_layer
-    monkeypatch.setattr(layerwise, "_process_layer", lambda i, *a, **k: solved.append(i) or process(i, *a, **k))
+    process = layerwise._layer_step
+    monkeypatch.setattr(layerwise, "_layer_step", lambda run, i, *a, **k: solved.append(i) or process(run, i, *a, **k))
     model = copy.deepcopy(float_model)
     result = jgptq.quantize_moe(model, CALIB, checkpoint_dir=work, **OPTS)
     assert solved == [2]                                 # layers 0 and 1 were taken over, not solved again

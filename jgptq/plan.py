@@ -1,0 +1,141 @@
+"""The plan of a run: every quantization decision for every matrix, resolved once, before any work.
+
+A run's per-weight policy is one ordered list of rules (:func:`rules`): the ``exclude`` patterns (leave a weight in
+floating point), then the ``formats`` rules (a GGML format per weight), matched with ``re.search`` against the
+weight's name relative to its decoder layer (``self_attn.v_proj``, ``mlp.experts.down_proj``); the first match
+wins. A weight no rule matches gets the ``mix`` preset's choice (:mod:`jgptq.mixes`), else ``quant.format``. Then
+its width is checked against its grid or format, with the ``block_fallback`` for GGML rows that are not a whole
+number of blocks.
+
+:func:`plan_matrix` is the one function that decides a matrix's method and format; :func:`resolve` applies it to
+every target of a model and reports the rules that matched nothing. Adding a format or a method changes this
+module and :mod:`jgptq.bucket`, nothing on the torch side.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple, Optional
+
+from jgptq import mixes
+from jgptq.bucket import MatrixPlan
+
+
+class Rule(NamedTuple):
+    """One per-weight rule: ``pattern`` (a regex searched in the weight's name relative to its layer) and what a
+    match means: ``skip`` (leave in floating point) or a GGML ``format``. ``origin`` is the config field it came
+    from (for messages)."""
+
+    pattern: str
+    format: Optional[str] = None
+    skip: bool = False
+    origin: str = "formats"
+
+
+class Target(NamedTuple):
+    """What planning needs to know of a matrix: ``name`` relative to its decoder layer, its ``layer`` index, its
+    input columns ``cols`` and ``param``, the model parameter name (for messages and as the plan's key)."""
+
+    name: str
+    layer: int
+    cols: int
+    param: str
+
+
+class Plan(NamedTuple):
+    """The resolved plan of a model: ``matrices`` (model parameter name -> :class:`MatrixPlan`), ``skipped``
+    (parameter name -> the rule that excluded it), ``notes`` (fallbacks chosen, for the report) and
+    ``unmatched`` (rules that matched no weight, as messages)."""
+
+    matrices: dict
+    skipped: dict
+    notes: list
+    unmatched: list
+
+
+def rules(config) -> tuple:
+    """The ordered :class:`Rule` s of a :class:`jgptq.config.PipelineConfig`: exclusions first, then formats."""
+    return (tuple(Rule(p, skip=True, origin="exclude") for p in config.exclude)
+            + tuple(Rule(p, format=f) for p, f in config.formats))
+
+
+def first_rule(config, name: str) -> Optional[Rule]:
+    """The first rule of ``config`` whose pattern is found in ``name``, or None."""
+    return next((r for r in rules(config) if re.search(r.pattern, name)), None)
+
+
+def format_of(config, name: str, layer: int, n_layers: int, n_expert: int) -> str:
+    """The format a GGML run gives weight ``name`` of decoder layer ``layer`` before any block fallback: the first
+    matching ``formats`` rule, else the ``mix`` preset's choice, else ``quant.format``."""
+    rule = next((r for r in rules(config) if not r.skip and re.search(r.pattern, name)), None)
+    if rule is not None:
+        return rule.format
+    if config.mix is not None:
+        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert)
+    return config.quant.format
+
+
+def plan_matrix(config, target: Target, n_layers: int, n_expert: int) -> tuple:
+    """The method and format of one matrix: the single place this is decided.
+
+    Args:
+      config: the run's :class:`jgptq.config.PipelineConfig`.
+      target: the matrix.
+      n_layers, n_expert: decoder layers of the model and the largest expert count of a layer (the mixes'
+        layer patterns and llama.cpp's 8-expert rule).
+    Returns:
+      (:class:`MatrixPlan` or None when a rule excludes it, a fallback note or None).
+    Raises:
+      ValueError: a width that the group size does not divide, or a GGML row that is not a whole number of its
+        format's blocks with no usable ``block_fallback``.
+    """
+    rule = first_rule(config, target.name)
+    if rule is not None and rule.skip:
+        return None, None
+    quant, note = config.quant, None
+    if quant.is_ggml:
+        fmt, note = _fit_block(config, target, format_of(config, target.name, target.layer, n_layers, n_expert))
+        if fmt != quant.format:
+            quant = quant.replace(format=fmt)
+    elif quant.group_size != -1 and target.cols % quant.group_size:
+        raise ValueError(f"{target.param.removesuffix('.weight')}: {target.cols} input columns are not a multiple "
+                         f"of group_size "
+                         f"{quant.group_size} (exclude it with exclude=[...] or choose another group_size)")
+    return MatrixPlan(config.method, quant), note
+
+
+def _fit_block(config, target: Target, fmt: str) -> tuple:
+    from jgptq.ggml import get_format
+
+    block = get_format(fmt).block_size
+    if target.cols % block == 0:
+        return fmt, None
+    fallback = config.block_fallback
+    if fallback == "llama.cpp":
+        fallback = mixes.LLAMA_FALLBACK.get(fmt, "error")
+    if fallback == "error" or target.cols % get_format(fallback).block_size:
+        raise ValueError(
+            f"{target.param}: {target.cols} input columns are not a multiple of the {fmt} block size {block}"
+            + ("" if fallback == "error" else f", nor of the fallback {fallback}'s")
+            + "; choose another format for it with formats=[(regex, format)], a fallback with "
+              "block_fallback='llama.cpp' or a format name, or leave it unquantized with exclude=[...]")
+    return fallback, (f"{target.param}: {target.cols} input columns are not a multiple of the {fmt} block size "
+                      f"{block}; {fallback} used instead (block_fallback)")
+
+
+def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int) -> Plan:
+    """The :class:`Plan` of every target of a model (:func:`plan_matrix` for each), with the rules of
+    ``config`` that matched no target reported in ``unmatched``."""
+    matrices, skipped, notes, used = {}, {}, [], set()
+    all_rules = rules(config)
+    for t in targets:
+        used |= {r for r in all_rules if re.search(r.pattern, t.name)}
+        plan, note = plan_matrix(config, t, n_layers, n_expert)
+        if plan is None:
+            skipped[t.param] = first_rule(config, t.name)
+        else:
+            matrices[t.param] = plan
+        if note:
+            notes.append(note)
+    unmatched = [f"{r.origin} rule {r.pattern!r} matched no weight" for r in all_rules if r not in used]
+    return Plan(matrices, skipped, notes, unmatched)
