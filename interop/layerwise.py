@@ -46,7 +46,7 @@ import jax
 import torch
 
 from interop import calib as calib_mod
-from interop import capture, ggml_plan, models
+from interop import capture, importance, models
 from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_torch
@@ -164,7 +164,7 @@ def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
         raise ValueError(f"{type(model).__name__}: nothing to quantize (no linear or experts weights in "
                          f"{prefix} after exclusions {list(cfg.exclude)})")
     if imatrix is not None:
-        ggml_plan.check_imatrix(imatrix, prefix, targets)
+        importance.check_imatrix(imatrix, prefix, targets)
     specs = {m.param_name(f"{prefix}.{i}"): (m.experts, m.rows, m.transposed)
              for i, t in enumerate(targets) for m in t.matrices()}
     names = models.checkpoint_names(model, specs)
@@ -222,7 +222,7 @@ def _run_layers(run: _Run, ckpt, start: int) -> None:
             run.stores.collect(run.result.weights, report)
             ckpt.save_layer(i, {k: v for k, v in run.result.weights.items() if k not in before},
                             resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
-                            ggml_plan.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]))
+                            importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]))
     run.stores.collect(run.result.weights, report)
 
 
@@ -279,7 +279,7 @@ def _solve(run: _Run, i: int, collector, warm) -> list:
     t0 = time.perf_counter()
     target, base, report = run.targets[i], f"{run.prefix}.{i}", run.report
     threshold = run.cfg.moe.threshold(collector.batch_tokens)
-    stats = ggml_plan.layer_imatrix(collector, run.prefix, i, target)
+    stats = importance.layer_imatrix(collector, run.prefix, i, target)
     run.result.imatrix.update(stats)
     stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats if run.given is None else run.given)
     for name, counts in collector.routed.items():

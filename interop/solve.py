@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from interop import ggml_plan
+from interop import importance
 from interop.dlpack import to_jax
 from jgptq import parallel
 from jgptq.bucket import Stack, quantize_bucket
@@ -44,11 +44,11 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict) -> list:
         tokens = tokens if isinstance(tokens, list) else [tokens] * m.count
         param = m.param_name(base)
         weight = to_jax(m.weight(), name=m.name)
-        importance = None
+        imp = None
         if plan.matrices[param].quant.is_ggml:
-            importance = ggml_plan.importance_of(cfg, stats.get(param), h, tokens, m.count)
+            imp = importance.importance_of(cfg, stats.get(param), h, tokens, m.count)
         hkey = "" if key is None else f"{base}.{key if m.layout is None else m.module_name + '.' + key[1]}"
-        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, importance)))
+        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp)))
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import jgptq
-from interop import ggml_plan, layerwise, resume
+from interop import importance, layerwise, resume
 from jgptq import mixes, parallel, plan
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight
@@ -276,15 +276,15 @@ def test_importance_choices():
     rng = np.random.default_rng(0)
     entry = ImatrixEntry(rng.random((3, 8), dtype=np.float32), np.array([4, 0, 2], np.float32))
     h = rng.random((3, 8, 8)).astype(np.float32)
-    imatrix = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0"), entry, h, [4, 0, 2], 3)
+    imatrix = importance.importance_of(PipelineConfig.build(None, format="q4_0"), entry, h, [4, 0, 2], 3)
     np.testing.assert_array_equal(imatrix, entry.values())
     assert imatrix[1].tolist() == [1.0] * 8                       # no token: llama-quantize's 1.0
-    hess = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
+    hess = importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
                                    [4, 0, 2], 3)
     np.testing.assert_array_equal(hess[[0, 2]], np.diagonal(h, axis1=1, axis2=2)[[0, 2]])
     assert hess[1].tolist() == [1.0] * 8
-    shared = ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
+    shared = importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
                                      ImatrixEntry(entry.sums[:1], entry.counts[:1]), h[0], [4, 4], 2)
     np.testing.assert_array_equal(shared, np.stack([np.diagonal(h[0])] * 2))
-    assert ggml_plan.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
+    assert importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
                                    [4, 0, 2], 3) is None
