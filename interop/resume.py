@@ -8,7 +8,7 @@
 - ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
   every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of
-  ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget).
+  ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget; ``PipelineConfig.what()``).
 
 Every file is written under a temporary name and renamed into place, ``state.json`` last, so a run killed at any
 moment leaves the state of its last finished layer. Started again with the same model, data and configuration,
@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from interop.report import ModuleRecord
-from jgptq.config import RUN_FIELDS
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from jgptq.imatrix import ImatrixEntry
 
@@ -69,9 +68,7 @@ def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
     for b, batch in enumerate(batch_list):
         _hash_tensor(c, f"ids{b}", batch.input_ids)
         _hash_tensor(c, f"mask{b}", batch.attention_mask)
-    settings = cfg.to_dict()
-    for name in RUN_FIELDS:  # progress bars and where layers live do not change the results
-        settings.pop(name, None)
+    settings = cfg.what()  # progress bars and where layers live do not change the results
     k = hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=16)
     for name in sorted(imatrix or {}):
         for what, arr in (("sums", imatrix[name].sums), ("counts", imatrix[name].counts)):

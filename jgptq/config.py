@@ -367,3 +367,11 @@ class PipelineConfig:
     def to_dict(self) -> dict:
         """Plain-Python form (JSON-serializable)."""
         return dataclasses.asdict(self)
+
+    def what(self) -> dict:
+        """What the run computes, in plain-Python form: every field but :data:`RUN_FIELDS` (where the layers live,
+        the budget, progress bars), which a resumed run may change. The resume fingerprint hashes this."""
+        out = self.to_dict()
+        for name in RUN_FIELDS:
+            out.pop(name)
+        return out
