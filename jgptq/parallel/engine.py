@@ -181,15 +181,16 @@ def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
         hit = _compiled.get(key)
     if hit is None:
         hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
-        hit += runtime_slack(mesh.devices.flat[0].platform, _io_bytes(spec), k)
+        hit += runtime_slack(mesh.devices.flat[0].platform, io_bytes(spec), k)
         with _lock:
             _compiled[key] = hit
     return hit
 
 
 @functools.lru_cache(maxsize=256)
-def _io_bytes(spec: _Spec) -> int:
-    """Input + output bytes of one expert (mapped inputs only; shared inputs are in every program's peak)."""
+def io_bytes(spec: _Spec) -> int:
+    """Input + output bytes of one expert of ``spec`` (mapped inputs only; shared inputs are in every program's
+    peak)."""
     inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
               if a is not None and ax == 0)
     args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
@@ -230,7 +231,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     for d, b in (gather_bytes or {}).items():
         if d in free and free[d] < memory.UNLIMITED:
             free[d] = max(0, free[d] - b)
-    io = _io_bytes(spec)
+    io = io_bytes(spec)
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"devices of one platform only, got {sorted(platforms)}")
@@ -324,12 +325,14 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
 # Running a plan
 
 
-def _is_seq(x) -> bool:
+def is_sequence(x) -> bool:
+    """Whether a mapped argument is a sequence of per-expert arrays (a list or tuple) rather than one array with
+    a leading expert axis."""
     return isinstance(x, (list, tuple))
 
 
 def _expert_aval(x):
-    if _is_seq(x):
+    if is_sequence(x):
         if not x:
             raise ValueError("an empty sequence of per-expert arrays")
         x = x[0]
@@ -347,7 +350,7 @@ def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
             avals.append(None)
         elif ax == 0:
             avals.append(_expert_aval(a))
-            counts.add(len(a) if _is_seq(a) else a.shape[0])
+            counts.add(len(a) if is_sequence(a) else a.shape[0])
         elif ax is None:
             avals.append(jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)))
         else:
@@ -359,7 +362,7 @@ def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
 
 def _block(x, idx: list, device, dtype):
     """Experts ``idx`` of ``x`` stacked on ``device``."""
-    if _is_seq(x):
+    if is_sequence(x):
         return jnp.stack([jax.device_put(jnp.asarray(x[i], dtype), device) for i in idx])
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
     if isinstance(x, jax.Array):
@@ -386,6 +389,19 @@ def _place(spec: _Spec, args, plan_: Plan, mesh: Mesh, start: int):
             blocks = [jax.device_put(jnp.asarray(a, aval.dtype), d) for _, d in local]
             out.append(jax.make_array_from_single_device_arrays(aval.shape, repl, blocks))
     return out
+
+
+def gathered_bytes(spec: _Spec, num_experts: int, gather_to=None) -> Optional[dict]:
+    """``{device: bytes}`` the results of ``num_experts`` experts of ``spec`` take on the device :func:`run`
+    gathers them to (``gather_to`` as there), for :func:`plan`'s ``gather_bytes``; None when they go to the
+    host."""
+    if gather_to is None:
+        gather_to = jax.local_devices()[0] if jax.process_count() == 1 else "host"
+    if gather_to == "host":
+        return None
+    inputs = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
+                 if a is not None and ax == 0)
+    return {gather_to: num_experts * (io_bytes(spec) - inputs)}
 
 
 def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):
@@ -435,7 +451,7 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
         arrays (each may live on any device), a shared array (in_axes None), or None.
       in_axes: 0 (mapped) or None (shared) per argument.
       devices: devices to spread over (default: every device, ``jax.devices()``).
-      batch_size: upper bound of the per-device lax.map batch (default: 1 on CPU, 8 elsewhere).
+      batch_size: upper bound of the per-device lax.map batch (default: 1 on CPU, 256 elsewhere).
       memory_limit, reserve: simulated limit / bytes kept free (see :func:`jgptq.parallel.memory.free_bytes`).
       gather_to: see :func:`run`.
       plan_: a :class:`Plan` made earlier by :func:`plan` for the same spec (skips planning).
@@ -445,12 +461,8 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
     spec, num = make_spec(fn, args, in_axes)
     if plan_ is None:
         devices = list(jax.devices() if devices is None else devices)
-        target = gather_to if gather_to not in (None, "host") else (
-            jax.local_devices()[0] if gather_to is None and jax.process_count() == 1 else None)
-        out_bytes = _io_bytes(spec) - sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in
-                                          zip(spec.avals, spec.in_axes) if a is not None and ax == 0)
         plan_ = plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                     gather_bytes=None if target is None else {target: num * out_bytes})
+                     gather_bytes=gathered_bytes(spec, num, gather_to))
     elif plan_.num_experts != num:
         raise ValueError(f"the plan is for {plan_.num_experts} experts, got {num}")
     return run(spec, args, plan_, gather_to)
