@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq import gptq
-from jgptq.config import QuantConfig
+from jgptq.config import METHODS, QuantConfig
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
 from jgptq.quantizers import uniform
@@ -30,7 +30,6 @@ from jgptq.quantizers import uniform
 log = logging.getLogger("jgptq")
 
 MODES = ("sequential", "all_at_once")
-METHODS = ("gptq", "rtn")
 
 
 class QuantizeResult(NamedTuple):
