@@ -36,6 +36,11 @@ sys.exit(1 if culprits else 0)
 FACE = {
     "quantize_moe": ("interop.layerwise", "quantize_moe"),
     "export_model": ("interop.export", "export_model"),
+    "export_gguf": ("interop.gguf_export", "export_gguf"),
+    "export_imatrix": ("interop.gguf_export", "export_imatrix"),
+    "check_exportable": ("interop.gguf_export", "check_exportable"),
+    "load_layer": ("interop.offload", "load_layer"),
+    "reload_all": ("interop.offload", "reload_all"),
     "QuantizeResult": ("interop.report", "QuantizeResult"),
     "Report": ("interop.report", "Report"),
     "QuantConfig": ("jgptq.config", "QuantConfig"),
