@@ -11,20 +11,19 @@ cross-device traffic: the compiled program holds no collective). ``batch_size`` 
 per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k.
 
 Same bytes on any mesh: an expert's result must not depend on the number of lax.map steps, on the vmap width k, or
-on the chunking. On CPU it does not (tested with 1-8 devices, batch 1 throughout). On a GPU, the unbatched program
-(k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky, GEMMs chosen per
-shape): on the H200 k = 1 and k = 16 agreed on 12 of 16 experts, while widths 2 to 128, chunked or not, agreed on
-543 of 544 expert comparisons (``benchmarks/results/batch_invariance_h200.json``). So on accelerators a bucket
-of two or more experts never runs at width 1 (a device's experts are padded to two); the width is otherwise the
-experts per device (up to 256): a narrower vmap would make the solve, whose per-column steps are latency bound,
-slower.
+on the chunking. On CPU it does not (tested with 1-8 devices, and batch 1 against batch 2). On a GPU, the
+unbatched program (k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky,
+GEMMs chosen per shape), and its bytes may differ from a batched run's (``benchmarks/batch_invariance.py``
+measures it). So on accelerators a bucket of two or more experts never runs at width 1 (a device's experts are
+padded to two); the width is otherwise the experts per device (up to :data:`MAX_BATCH_DEFAULT`): a narrower vmap
+would make the solve, whose per-column steps are latency bound, slower.
 
 Room check (:func:`plan`): a device's program for m experts at batch k needs ``fixed_k + m * io`` bytes, where
 ``io`` is one expert's inputs + outputs and ``fixed_k`` the rest (temporaries of one lax.map step, loop state),
 read from ``memory_analysis()`` of the compiled program for two steps (lowered from ShapeDtypeStructs, nothing
 allocated; k > 2 is extrapolated from k = 1, 2), plus, on accelerators, a runtime slack of ``2 * io`` per vmap
-lane and 1 MiB: on the H200 a 768 x 2048 solve allocated 52 MiB per lane at run time beyond its memory analysis
-(library workspaces the analysis does not see), and other shapes up to 1 MiB. A device takes work if it has room
+lane and 1 MiB for the library workspaces allocated at run time, which the analysis does not see
+(:func:`runtime_slack`; ``benchmarks/room_check.py`` measures the bound). A device takes work if it has room
 for one expert alone. The plan takes the largest m that fits at that k on every working device; when experts
 are left over, they run in chunks of ``devices x m`` (balanced, padded with copies of a real expert whose
 results are dropped). The compiled program of the chosen (m, k) is checked itself before it runs; if its
