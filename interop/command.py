@@ -1,5 +1,8 @@
 """``jgptq quantize``: a local transformers model folder in, a quantized checkpoint folder out.
 
+:mod:`jgptq.cli` parses the options and enters the torch side through :func:`run` alone, which runs
+:func:`run_quantize` or ``jgptq demo`` (:func:`interop.demo.run_demo`).
+
 Steps: check every input (model folder, calibration, output, that the exporter can hold the format) before any
 work; load the tokenizer and the model (safetensors only; remote code only when asked); cut the calibration text
 into windows; run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
@@ -87,7 +90,7 @@ def build_config(args, dtype: str) -> PipelineConfig:
     else:
         scale_dtype = "float16"
     fmt = args.format
-    mix = getattr(args, "mix", None)
+    mix = args.mix
     if mix is not None and fmt == "int":
         from jgptq.mixes import PRESETS
 
@@ -98,7 +101,7 @@ def build_config(args, dtype: str) -> PipelineConfig:
 
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
     rules = []
-    for text in getattr(args, "tensor_format", None) or ():
+    for text in args.tensor_format or ():
         pattern, sep, name = text.rpartition("=")
         if not sep or not pattern or not name:
             raise CommandError(f"--tensor-format {text!r}: expected REGEX=FORMAT, e.g. 'v_proj$=q6_k'")
@@ -107,8 +110,8 @@ def build_config(args, dtype: str) -> PipelineConfig:
                                 max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
                                 offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
-                                mix=mix, formats=tuple(rules), importance=getattr(args, "importance", "imatrix"),
-                                block_fallback=getattr(args, "block_fallback", "error"))
+                                mix=mix, formats=tuple(rules), importance=args.importance,
+                                block_fallback=args.block_fallback)
 
 
 def log(msg: str, quiet: bool = False) -> None:
@@ -134,6 +137,16 @@ def layer_loss_chart(report, path, title: str) -> None:
     except ValueError:  # nothing finite (a round-to-nearest run): no chart
         return
     Path(path).write_text(svg)
+
+
+def run(args) -> int:
+    """Runs a parsed command line of :mod:`jgptq.cli` (``args.command``: ``"quantize"`` or ``"demo"``); returns
+    the exit status. The command line's one door into the torch side."""
+    if args.command == "demo":
+        from interop.demo import run_demo
+
+        return run_demo(args)
+    return run_quantize(args)
 
 
 def run_quantize(args) -> int:

@@ -104,20 +104,20 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         run started again with the same model, calibration and config continues after its last finished layer
         and gives the same bytes as an uninterrupted run.
       resume: with ``checkpoint_dir``: continue a matching state (a mismatching one raises
-        :class:`interop.resume.ResumeMismatchError`); False discards any state and starts over.
+        :class:`jgptq.ResumeMismatchError`); False discards any state and starts over.
       imatrix: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (e.g. an earlier run's
         ``result.imatrix``): the importance of the GGML encoders comes from it instead of this run's statistic
         (``importance="imatrix"``). Every target weight needs an entry.
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
         ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
-      A :class:`interop.report.QuantizeResult` (model, weights by checkpoint key, report, the importance
-      statistic ``imatrix`` by parameter name).
+      A :class:`jgptq.QuantizeResult` (model, weights by checkpoint key, report, the importance statistic
+      ``imatrix`` by parameter name).
     Raises:
       ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
-        NaN/Inf activations, a run over ``device_budget`` (:class:`interop.offload.DeviceBudgetError`);
-        ``interop.models.UnsupportedModelError`` for layouts jgptq cannot see into;
-        ``interop.resume.ResumeMismatchError`` for a checkpoint of another run.
+        NaN/Inf activations, a run over ``device_budget`` (:class:`jgptq.DeviceBudgetError`);
+        :class:`jgptq.UnsupportedModelError` for layouts jgptq cannot see into;
+        :class:`jgptq.ResumeMismatchError` for a checkpoint of another run.
     """
     cfg = PipelineConfig.build(config, **kwargs)
     if checkpoint_dir is not None and cfg.keep_hessians:

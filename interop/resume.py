@@ -33,6 +33,7 @@ import torch
 from interop.report import ModuleRecord
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from jgptq.imatrix import ImatrixEntry
+from jgptq.version import __version__
 
 STATE = "state.json"
 FORMAT_VERSION = 2
@@ -57,8 +58,6 @@ def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
     """What a run depends on, as hex digests: ``model`` (class, config, every state_dict tensor), ``calibration``
     (the batches' ids and masks), ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``, and
     a given ``imatrix``'s sums and counts)."""
-    import jgptq
-
     h = hashlib.blake2b(digest_size=16)
     h.update(type(model).__name__.encode())
     h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
@@ -76,7 +75,7 @@ def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
             k.update(f"{name}|{what}|{arr.shape}|".encode())
             k.update(arr.tobytes())
     return {"model": h.hexdigest(), "calibration": c.hexdigest(), "config": k.hexdigest(),
-            "layers": int(layer_count), "jgptq": jgptq.__version__}
+            "layers": int(layer_count), "jgptq": __version__}
 
 
 def _replace_into(path: Path, write) -> None:

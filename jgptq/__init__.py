@@ -1,22 +1,35 @@
 """jgptq: GPTQ for Mixture-of-Experts language models, with every numerical step as jitted JAX.
 
-Entry points:
-- :func:`jgptq.quantize_moe` quantizes a Hugging Face transformers model (torch side, imported lazily);
-- :mod:`jgptq.hessian`, :mod:`jgptq.gptq`, :mod:`jgptq.quantizers`, :mod:`jgptq.ggml`: pure JAX functions;
-- the ``jgptq`` command line (:mod:`jgptq.cli`).
+``import jgptq`` is the whole public face, and it never imports torch: each name below is imported on first use.
 
-This package never imports torch at import time.
+- :func:`quantize_moe` quantizes a Hugging Face transformers model layer by layer (torch side); it returns a
+  :class:`QuantizeResult` (its :class:`Report` says what happened to every matrix);
+- :func:`export_model` writes that result as a checkpoint (compressed-tensors, GPTQ v1 or GGUF);
+  :func:`export_gguf` also writes a float model, :func:`check_exportable` refuses up front what the GGUF writer
+  would refuse, :func:`export_imatrix` writes a run's importance statistic for ``llama-quantize --imatrix``;
+- :func:`load_layer` and :func:`reload_all` load the layers a run with ``offload="disk", reload=False`` left in
+  its layer files;
+- :class:`QuantConfig`, :class:`MoEConfig`, :class:`PipelineConfig`: the configuration;
+- the errors a run raises on bad input, all subclasses of ``ValueError``: :class:`UnsupportedModelError` (a model
+  layout jgptq cannot see into), :class:`ResumeMismatchError` (a resume state of another run),
+  :class:`DeviceBudgetError` (a layer over ``device_budget``), :class:`ExportError` (a result the export format
+  cannot hold), :class:`UnsupportedGGUFModel` (a model family or setting the GGUF writer does not support).
+
+The pure JAX functions live in the submodules: :mod:`jgptq.hessian`, :mod:`jgptq.gptq`,
+:mod:`jgptq.quantizers`, :mod:`jgptq.ggml`, :mod:`jgptq.parallel`, :mod:`jgptq.flax`, :mod:`jgptq.export`; the
+``jgptq`` command line is :mod:`jgptq.cli`.
 """
 
-from __future__ import annotations
+from jgptq.version import __version__
 
-import os
-import sys
-import warnings
 
 # When torch shares the GPU, JAX must not grab 75% of it up front. The variable is read when JAX starts its
 # backends, so it still takes effect if jax was imported but has not run anything yet.
 def _disable_preallocation() -> None:
+    import os
+    import sys
+    import warnings
+
     started = False
     if "jax" in sys.modules:
         try:
@@ -40,18 +53,48 @@ def _disable_preallocation() -> None:
 
 _disable_preallocation()
 
-from jgptq.config import MoEConfig, PipelineConfig, QuantConfig  # noqa: E402
+# public name -> the module that defines it (imported on first access)
+_PUBLIC = {
+    "quantize_moe": "interop.layerwise",
+    "export_model": "interop.export",
+    "export_gguf": "interop.gguf_export",
+    "export_imatrix": "interop.gguf_export",
+    "check_exportable": "interop.gguf_export",
+    "load_layer": "interop.layer_files",
+    "reload_all": "interop.layer_files",
+    "QuantizeResult": "interop.report",
+    "Report": "interop.report",
+    "QuantConfig": "jgptq.config",
+    "MoEConfig": "jgptq.config",
+    "PipelineConfig": "jgptq.config",
+    "UnsupportedModelError": "interop.models",
+    "ResumeMismatchError": "interop.resume",
+    "DeviceBudgetError": "interop.offload",
+    "ExportError": "interop.export",
+    "UnsupportedGGUFModel": "interop.gguf_arch",
+}
+_TORCH_SIDE = ("torch", "transformers", "tokenizers")
 
-__version__ = "0.1.0"
-__all__ = ["MoEConfig", "PipelineConfig", "QuantConfig", "quantize_moe", "__version__"]
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
-def quantize_moe(torch_model, calib, config=None, **kwargs):
-    """Quantizes a transformers model layer by layer with GPTQ, in place (see :func:`interop.layerwise.quantize_moe`).
+def __getattr__(name: str):
+    """Imports the module behind a public name on first access (so ``import jgptq`` stays torch-free)."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jgptq' has no attribute {name!r}")
+    import importlib
 
-    ``result = jgptq.quantize_moe(model, calib, bits=4, group_size=128, device="cuda")``; ``print(result.report)``;
-    ``result.weights[checkpoint_key]`` holds codes/scales/zeros/g_idx for exporters.
-    """
-    from interop.layerwise import quantize_moe as _quantize_moe
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in _TORCH_SIDE:
+            raise ModuleNotFoundError(f"jgptq.{name} runs transformers models and needs {exc.name}; install "
+                                      f"them with: pip install 'jgptq[torch]'", name=exc.name) from exc
+        raise
+    globals()[name] = value
+    return value
 
-    return _quantize_moe(torch_model, calib, config, **kwargs)
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_PUBLIC))

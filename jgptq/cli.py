@@ -13,12 +13,17 @@ nor JAX.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
+from jgptq.config import (ACT_ORDERS, HESSIAN_DTYPES, IMPORTANCES, METHODS, MOE_CALIBRATIONS, OFFLOADS, MoEConfig,
+                          PipelineConfig, QuantConfig)
+from jgptq.mixes import PRESETS
+from jgptq.version import __version__
+
 EXPORTS = ("compressed-tensors", "gptq", "gguf")
-ACT_ORDERS = ("none", "desc", "static", "group_aware")
-MIXES = ("q4_k_m", "q5_k_m", "q4_k_s", "q5_k_s", "q3_k_m", "q6_k")  # jgptq.mixes.PRESETS (kept import-free)
+MIXES = tuple(PRESETS)
 
 EPILOG = """examples:
   jgptq demo
@@ -30,41 +35,55 @@ EPILOG = """examples:
 """
 
 
-def _quant_options(p: argparse.ArgumentParser, bits: int, group_size: int) -> None:
+def default(config_class, field: str):
+    """The default of ``field`` of the config dataclass ``config_class``: an option for a config field takes its
+    default from there, never from a copy."""
+    for f in dataclasses.fields(config_class):
+        if f.name == field:
+            return f.default
+    raise KeyError(f"{config_class.__name__} has no field {field!r}")
+
+
+def _quant_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization")
-    g.add_argument("--format", default="int", help="weight format: 'int' (integer grids, for gptq and "
-                   "compressed-tensors) or a GGML format such as q4_k (for --export gguf) (default: int)")
+    fmt, bits, group_size = (default(QuantConfig, f) for f in ("format", "bits", "group_size"))
+    g.add_argument("--format", default=fmt, help="weight format: 'int' (integer grids, for gptq and "
+                   f"compressed-tensors) or a GGML format such as q4_k (for --export gguf) (default: {fmt})")
     g.add_argument("--bits", type=int, default=bits, help=f"bits per weight, 2..8 (default: {bits})")
     g.add_argument("--group-size", type=int, default=group_size,
                    help=f"input columns per scale; -1 = one per output row (default: {group_size})")
     sym = g.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=True,
-                     help="symmetric grids, zero point in the middle (default)")
-    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grids, a zero point per group")
-    g.add_argument("--act-order", nargs="?", const="group_aware", default="none", choices=ACT_ORDERS,
+    symmetric = default(QuantConfig, "sym")
+    sym.add_argument("--sym", dest="sym", action="store_true", default=symmetric,
+                     help="symmetric grids, zero point in the middle" + (" (default)" if symmetric else ""))
+    sym.add_argument("--asym", dest="sym", action="store_false",
+                     help="asymmetric grids, a zero point per group" + ("" if symmetric else " (default)"))
+    act_order, damp = default(QuantConfig, "act_order"), default(QuantConfig, "damp")
+    g.add_argument("--act-order", nargs="?", const="group_aware", default=act_order, choices=ACT_ORDERS,
                    help="column order of the solve; the bare flag means group_aware, which every exporter "
-                        "holds ('desc' with groups: gptq only) (default: none)")
-    g.add_argument("--damp", type=float, default=0.01, help="relative Hessian damping (default: 0.01)")
-    g.add_argument("--method", choices=("gptq", "rtn"), default="gptq",
+                        f"holds ('desc' with groups: gptq only) (default: {act_order})")
+    g.add_argument("--damp", type=float, default=damp, help=f"relative Hessian damping (default: {damp})")
+    method = default(PipelineConfig, "method")
+    g.add_argument("--method", choices=METHODS, default=method,
                    help="gptq, or rtn: round-to-nearest on the same grids, a baseline; with a GGML format a plain "
-                        "encode with importance, as llama-quantize with an imatrix (default: gptq)")
+                        f"encode with importance, as llama-quantize with an imatrix (default: {method})")
     g.add_argument("--mix", choices=MIXES, help="a llama.cpp mix for GGML formats (q4_k_m: q4_k with attn_v and "
                    "ffn_down raised to q6_k on llama.cpp's layers, ...); sets --format to its base")
     g.add_argument("--tensor-format", action="append", metavar="REGEX=FORMAT",
                    help="GGML format of the weights whose name relative to a layer (self_attn.v_proj, "
                         "mlp.experts.down_proj) matches REGEX; first match wins; repeatable")
-    g.add_argument("--importance", choices=("imatrix", "hessian", "none"), default="imatrix",
+    importance = default(PipelineConfig, "importance")
+    g.add_argument("--importance", choices=IMPORTANCES, default=importance,
                    help="importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
-                        "the Hessian diagonal, or none (default: imatrix)")
-    g.add_argument("--block-fallback", default="error", metavar="FORMAT",
+                        f"the Hessian diagonal, or none (default: {importance})")
+    fallback = default(PipelineConfig, "block_fallback")
+    g.add_argument("--block-fallback", default=fallback, metavar="FORMAT",
                    help="GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "
-                        "(llama.cpp's fallback types) or a format name (default: error)")
+                        f"(llama.cpp's fallback types) or a format name (default: {fallback})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from jgptq import __version__
-
     parser = argparse.ArgumentParser(
         prog="jgptq", description="GPTQ for Mixture-of-Experts language models, with the numerics in JAX.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,28 +101,33 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output checkpoint folder (or .gguf file for --export gguf)")
     q.add_argument("--export", choices=EXPORTS, default="compressed-tensors",
                    help="checkpoint format (default: compressed-tensors)")
-    _quant_options(q, bits=4, group_size=128)
+    _quant_options(q)
     c = q.add_argument_group("calibration")
-    c.add_argument("--calibration", choices=("routed", "all_experts"), default="routed",
-                   help="experts' Hessians from their routed tokens, or from every token (default: routed)")
-    c.add_argument("--min-tokens", type=int, default=1,
-                   help="experts with fewer calibration tokens are rounded to nearest, with a warning (default: 1)")
+    calibration, min_tokens = default(MoEConfig, "calibration"), default(MoEConfig, "min_tokens")
+    c.add_argument("--calibration", choices=MOE_CALIBRATIONS, default=calibration,
+                   help=f"experts' Hessians from their routed tokens, or from every token (default: {calibration})")
+    c.add_argument("--min-tokens", type=int, default=min_tokens, help="experts with fewer calibration tokens are "
+                   f"rounded to nearest, with a warning (default: {min_tokens})")
     c.add_argument("--samples", type=int, default=128, help="calibration sequences (default: 128)")
     c.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
-    c.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default: 8)")
+    batch_size = default(PipelineConfig, "batch_size")
+    c.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"sequences per forward (default: {batch_size})")
     c.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: MODEL_DIR)")
     r = q.add_argument_group("run")
     r.add_argument("--device", help="torch device each layer runs on (default: cuda if available, else cpu)")
     r.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype the model is loaded in (default: auto, the checkpoint's)")
-    r.add_argument("--hessian-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="operands of the Hessian sums, accumulated in float32 (default: float32)")
+    hessian_dtype = default(PipelineConfig, "hessian_dtype")
+    r.add_argument("--hessian-dtype", choices=HESSIAN_DTYPES, default=hessian_dtype,
+                   help=f"operands of the Hessian sums, accumulated in float32 (default: {hessian_dtype})")
     r.add_argument("--exclude", action="append", metavar="REGEX",
                    help="leave modules matching this pattern (relative to a layer, e.g. 'self_attn') in floating "
                         "point; repeatable")
-    r.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+    offload = default(PipelineConfig, "offload")
+    r.add_argument("--offload", choices=OFFLOADS, default=offload,
                    help="where decoder layers wait while another is processed: none (where they are loaded), cpu "
-                        "(host memory), disk (one file per layer: host memory holds one layer) (default: none)")
+                        f"(host memory), disk (one file per layer: host memory holds one layer) (default: {offload})")
     r.add_argument("--offload-dir", metavar="DIR",
                    help="folder of the layer files of --offload disk (default: OUT.jgptq-work/offload)")
     r.add_argument("--device-budget", metavar="SIZE",
@@ -117,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a killed run from its last finished layer (default: on)")
     r.add_argument("--quiet", action="store_true", help="no progress bars or messages")
 
+    bits = default(QuantConfig, "bits")
     d = sub.add_parser("demo", help="quantize a tiny random MoE model: GPTQ against round-to-nearest",
                        description="Build a tiny Qwen3-MoE model with random weights, calibrate it on text shipped "
                                    "with jgptq, quantize it with GPTQ and with round-to-nearest, compare both with "
@@ -124,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="output checkpoint folder (default: a new temporary folder)")
     d.add_argument("--export", choices=EXPORTS, default="compressed-tensors",
                    help="checkpoint format (default: compressed-tensors)")
-    d.add_argument("--bits", type=int, default=4, help="bits per weight (default: 4)")
+    d.add_argument("--bits", type=int, default=bits, help=f"bits per weight (default: {bits})")
     d.add_argument("--group-size", type=int, default=32, help="input columns per scale (default: 32)")
     d.add_argument("--layers", type=int, default=4, help="decoder layers of the demo model (default: 4)")
     d.add_argument("--samples", type=int, default=64, help="calibration sequences of 128 bytes (default: 64)")
@@ -142,13 +167,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command == "quantize":
-            from interop.command import run_quantize
+        from interop.command import run
 
-            return run_quantize(args)
-        from interop.demo import run_demo
-
-        return run_demo(args)
+        return run(args)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] in ("torch", "transformers", "tokenizers"):
             print(f"jgptq: error: 'jgptq {args.command}' runs transformers models and needs {exc.name}; install "

@@ -11,8 +11,14 @@ import math
 import os
 import re
 
+# The values a field may take (the command line offers the same choices).
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
+METHODS = ("gptq", "rtn")
+MOE_CALIBRATIONS = ("routed", "all_experts")
+HESSIAN_DTYPES = ("float32", "bfloat16")
+OFFLOADS = ("none", "cpu", "disk")
+IMPORTANCES = ("imatrix", "hessian", "none")
 
 
 def _fail(field: str, value, rule: str):
@@ -108,10 +114,6 @@ class QuantConfig:
         return dataclasses.replace(self, **changes)
 
 
-MOE_CALIBRATIONS = ("routed", "all_experts")
-METHODS = ("gptq", "rtn")
-OFFLOADS = ("none", "cpu", "disk")
-IMPORTANCES = ("imatrix", "hessian", "none")
 # Fields that say where and how visibly a run works, never what it computes: a resumed run may change them.
 RUN_FIELDS = ("progress", "offload", "offload_dir", "device_budget", "reload", "keep_offload_files")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -196,7 +198,7 @@ class PipelineConfig:
         layer's need before any work (None: no check). The peak is recorded in ``report.memory``.
       reload: ``offload="disk"``: load every layer back into host memory at the end. False leaves the returned
         model's layers on the meta device, their quantized tensors in ``offload_dir``
-        (:func:`interop.offload.reload_all` loads them).
+        (:func:`jgptq.reload_all` loads them).
       keep_offload_files: ``offload="disk"``: keep the layer files after reloading.
       importance: per-column importance handed to the GGML encoders (GGML formats only): ``"imatrix"`` (llama.cpp's
         statistic, the mean of squared inputs over the tokens each weight saw, routed tokens only for experts:
@@ -242,8 +244,8 @@ class PipelineConfig:
         self._check_ggml()
         if self.method not in METHODS:
             _fail_in("PipelineConfig", "method", self.method, f"must be one of {METHODS}")
-        if self.hessian_dtype not in ("float32", "bfloat16"):
-            _fail_in("PipelineConfig", "hessian_dtype", self.hessian_dtype, "must be 'float32' or 'bfloat16'")
+        if self.hessian_dtype not in HESSIAN_DTYPES:
+            _fail_in("PipelineConfig", "hessian_dtype", self.hessian_dtype, f"must be one of {HESSIAN_DTYPES}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             _fail_in("PipelineConfig", "batch_size", self.batch_size, "must be a positive integer")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):

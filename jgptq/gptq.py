@@ -122,9 +122,11 @@ def _plan(num_columns: int, config: QuantConfig, codec: Optional[GroupCodec]) ->
     return _Plan(block, gs if lazy else block, padded, padded // gs, lazy)
 
 
-def _solve(weight: jax.Array, hessian: jax.Array, importance: Optional[jax.Array], config: QuantConfig,
-           codec: Optional[GroupCodec] = None) -> GPTQResult:
-    """Unchecked solve of one weight (R, C) against its Hessian (C, C); see :func:`solve`."""
+def solve_unchecked(weight: jax.Array, hessian: jax.Array, importance: Optional[jax.Array], config: QuantConfig,
+                    codec: Optional[GroupCodec] = None) -> GPTQResult:
+    """The GPTQ solve of one weight as :func:`solve` (same arguments and result), traceable (jit, vmap,
+    shard_map) and unchecked: inputs :func:`check_inputs` would refuse fail while tracing or give meaningless
+    results. ``weight`` float (R, C), ``hessian`` float (C, C), ``importance`` float32 (C,) or None."""
     if codec is None and config.is_ggml:
         codec = ggml_codec(config.format)
     with jax.default_matmul_precision("highest"):
@@ -277,10 +279,14 @@ def _exact_order_sum(err: jax.Array) -> jax.Array:
     return x[0]
 
 
-_solve_jit = jax.jit(_solve, static_argnames=("config", "codec"))
+_solve_jit = jax.jit(solve_unchecked, static_argnames=("config", "codec"))
 
 
-def _check_inputs(weight, hessian, importance, config: QuantConfig, name: str, batched: bool):
+def check_inputs(weight, hessian, importance, config: QuantConfig, name: str, batched: bool) -> None:
+    """Raises ValueError naming ``name`` and the rule broken for inputs :func:`solve_unchecked` cannot solve: ranks
+    and shapes (``weight`` (R, C), ``hessian`` (C, C), ``importance`` (C,) or None; with ``batched`` a leading
+    expert axis E on ``weight`` and optionally on the others), rows of partial groups or format blocks, a format
+    needing importance without it, NaN or Inf (reading finiteness waits for the arrays: one device sync)."""
     lead = 1 if batched else 0
     if weight.ndim != 2 + lead:
         raise ValueError(f"{name}: weight must be {'3-D (experts, out, in)' if batched else '2-D (out, in)'}, "
@@ -329,7 +335,7 @@ def solve(weight, hessian, config: QuantConfig = QuantConfig(), *, importance=No
     weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
     importance = None if importance is None else jnp.asarray(importance)
     if check:
-        _check_inputs(weight, hessian, importance, config, name, batched=False)
+        check_inputs(weight, hessian, importance, config, name, batched=False)
     return _solve_jit(weight, hessian, importance, config, codec)
 
 
@@ -337,7 +343,7 @@ def solve(weight, hessian, config: QuantConfig = QuantConfig(), *, importance=No
 def _solve_experts_jit(weights, hessians, importance, config, tied):
     h_axis = None if tied else 0
     i_axis = None if importance is None or importance.ndim == 1 else 0
-    return jax.vmap(lambda w, h, i: _solve(w, h, i, config), in_axes=(0, h_axis, i_axis))(
+    return jax.vmap(lambda w, h, i: solve_unchecked(w, h, i, config), in_axes=(0, h_axis, i_axis))(
         weights, hessians, importance)
 
 
@@ -356,7 +362,7 @@ def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, imp
     weights, hessians = jnp.asarray(weights), jnp.asarray(hessians)
     importance = None if importance is None else jnp.asarray(importance)
     if check:
-        _check_inputs(weights, hessians, importance, config, name, batched=True)
+        check_inputs(weights, hessians, importance, config, name, batched=True)
     if weights.shape[0] == 1:
         # A vmap of width 1 is compiled differently (XLA:CPU strips the unit batch axis and fuses the block
         # update's matmul with its transposes into another dot emitter): different bits. One expert takes the

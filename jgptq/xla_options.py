@@ -1,8 +1,8 @@
 """XLA compile options jgptq's programs use: GEMMs from cuBLAS on GPUs rather than autotuned Triton kernels.
 
-Autotuning Triton GEMM kernels is most of the compile time of jgptq's programs on a GPU: on the H200 the three
-GPTQ solve programs of a Qwen3-30B-A3B layer compiled in 6.9 s instead of 47 s, ran as fast and gave the same
-bytes (``benchmarks/results/compile_time_h200.json``). Other backends ignore the option. ``JGPTQ_TRITON_GEMM=1``
+Autotuning Triton GEMM kernels is most of the compile time of jgptq's programs on a GPU; with cuBLAS GEMMs the
+solve programs compile several times faster, run as fast and give the same bytes (``benchmarks/compile_time.py``;
+README "Benchmarks"). Other backends ignore the option. ``JGPTQ_TRITON_GEMM=1``
 (read when :mod:`jgptq.hessian` is first imported, and by the expert engine each time it compiles) keeps XLA's
 default.
 """

@@ -1,8 +1,11 @@
-"""``import jgptq`` and every module of the jgptq package load without importing torch (or transformers)."""
+"""``import jgptq`` and every module of the jgptq package load without importing torch (or transformers); the
+public face names its objects lazily, and they are the right ones."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,6 +16,11 @@ def loaded():
     return sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN))
 import jgptq
 culprits = {"jgptq": loaded()} if loaded() else {}
+import jgptq.config
+assert (jgptq.QuantConfig, jgptq.MoEConfig, jgptq.PipelineConfig) == (
+    jgptq.config.QuantConfig, jgptq.config.MoEConfig, jgptq.config.PipelineConfig)
+if loaded():
+    culprits["jgptq.QuantConfig"] = loaded()
 names = sorted(m.name for m in pkgutil.walk_packages(jgptq.__path__, "jgptq."))
 assert {"jgptq.hessian", "jgptq.gptq", "jgptq.config", "jgptq.flax.capture"} <= set(names), names
 for name in names:
@@ -24,10 +32,75 @@ print(len(names), "modules; imported torch-side packages:", culprits)
 sys.exit(1 if culprits else 0)
 """
 
+# What the face promises: public name -> (module, attribute) it stands for.
+FACE = {
+    "quantize_moe": ("interop.layerwise", "quantize_moe"),
+    "export_model": ("interop.export", "export_model"),
+    "export_gguf": ("interop.gguf_export", "export_gguf"),
+    "export_imatrix": ("interop.gguf_export", "export_imatrix"),
+    "check_exportable": ("interop.gguf_export", "check_exportable"),
+    "load_layer": ("interop.offload", "load_layer"),
+    "reload_all": ("interop.offload", "reload_all"),
+    "QuantizeResult": ("interop.report", "QuantizeResult"),
+    "Report": ("interop.report", "Report"),
+    "QuantConfig": ("jgptq.config", "QuantConfig"),
+    "MoEConfig": ("jgptq.config", "MoEConfig"),
+    "PipelineConfig": ("jgptq.config", "PipelineConfig"),
+    "UnsupportedModelError": ("interop.models", "UnsupportedModelError"),
+    "ResumeMismatchError": ("interop.resume", "ResumeMismatchError"),
+    "DeviceBudgetError": ("interop.offload", "DeviceBudgetError"),
+    "ExportError": ("interop.export", "ExportError"),
+    "UnsupportedGGUFModel": ("interop.gguf_arch", "UnsupportedGGUFModel"),
+}
+ERRORS = [name for name in FACE if name.endswith("Error") or name.startswith("Unsupported")]
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
 
 def test_jgptq_imports_without_torch():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _run(SCRIPT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torch-side packages: {}" in done.stdout
+
+
+def test_the_face_lists_its_names():
+    import jgptq
+    from jgptq.version import __version__
+
+    assert set(jgptq.__all__) == set(FACE) | {"__version__"}
+    assert set(jgptq.__all__) <= set(dir(jgptq))
+    assert jgptq.__version__ == __version__
+    with pytest.raises(AttributeError, match="no attribute 'solve_layer'"):
+        jgptq.solve_layer
+
+
+def test_the_face_names_the_right_objects():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib
+
+    import jgptq
+
+    for name, (module, attr) in FACE.items():
+        assert getattr(jgptq, name) is getattr(importlib.import_module(module), attr), name
+    from jgptq import ExportError, quantize_moe  # noqa: F401  (the import statement goes through the face too)
+
+    assert all(issubclass(getattr(jgptq, name), ValueError) for name in ERRORS)
+
+
+def test_the_torch_side_of_the_face_says_what_to_install_without_torch():
+    done = _run("import sys\n"
+                "sys.modules['torch'] = sys.modules['transformers'] = None   # neither can be imported\n"
+                "import jgptq\n"
+                "assert jgptq.QuantConfig().bits == 4\n"
+                "try:\n"
+                "    jgptq.quantize_moe\n"
+                "except ModuleNotFoundError as exc:\n"
+                "    print(exc.name, '|', exc)\n")
+    assert done.returncode == 0, done.stderr
+    name, message = done.stdout.strip().split(" | ")
+    assert name in ("torch", "transformers") and "pip install 'jgptq[torch]'" in message

@@ -169,7 +169,7 @@ def test_predicted_peak_bounds_the_compiled_program_and_the_chunked_run_fits(pro
     s = jax.ShapeDtypeStruct
     spec, _ = engine.make_spec(experts._Solver(CFG), (s((E, R, C), jnp.float32), s((E, C, C), jnp.float32), None),
                                (0, 0, None))
-    io = engine._io_bytes(spec)
+    io = engine.io_bytes(spec)
     mesh = engine.expert_mesh(jax.devices()[:1])
     peak = lambda m: memory.program_peak(engine.compiled_program(spec, mesh, m, 1))
     # the plan's model: fixed bytes (from a two-step program) plus inputs and outputs per expert

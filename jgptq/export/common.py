@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Iterable, Mapping
 
+from jgptq.version import __version__
+
 
 def iterate_entries(entries, what: str) -> Iterable[tuple[str, object]]:
     """(name, value) pairs of a mapping or of an iterable of pairs."""
@@ -42,6 +44,4 @@ def finish_config(model_config: Mapping, quantization_config: dict) -> dict:
 
 def version_tag() -> str:
     """``"jgptq:<version>"``, the quantizer entry of checkpoint metadata."""
-    import jgptq
-
-    return f"jgptq:{jgptq.__version__}"
+    return f"jgptq:{__version__}"

@@ -28,9 +28,10 @@ from typing import Sequence
 
 import numpy as np
 
-ACT_ORDERS = ("none", "desc", "static", "group_aware")
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
-METHODS = ("gptq", "rtn", "mixed")
+from jgptq.config import ACT_ORDERS, METHODS, SCALE_DTYPES
+
+# A record's method: one of the run's methods, or "mixed" for a stack whose experts were solved by both.
+RECORD_METHODS = METHODS + ("mixed",)
 
 
 def _fail(name: str, rule: str):
@@ -87,8 +88,8 @@ class QuantizedWeight:
             _fail("act_order", f"{self.act_order!r} is not one of {ACT_ORDERS}")
         if self.scale_dtype not in SCALE_DTYPES:
             _fail("scale_dtype", f"{self.scale_dtype!r} is not one of {SCALE_DTYPES}")
-        if self.method not in METHODS:
-            _fail("method", f"{self.method!r} is not one of {METHODS}")
+        if self.method not in RECORD_METHODS:
+            _fail("method", f"{self.method!r} is not one of {RECORD_METHODS}")
         object.__setattr__(self, "transposed", bool(self.transposed))
         maxq = (1 << self.bits) - 1
 
@@ -220,8 +221,8 @@ class GGMLWeight:
 
         fmt = get_format(self.format)  # raises on an unknown name
         object.__setattr__(self, "format", fmt.name)
-        if self.method not in METHODS:
-            raise ValueError(f"GGMLWeight method: {self.method!r} is not one of {METHODS}")
+        if self.method not in RECORD_METHODS:
+            raise ValueError(f"GGMLWeight method: {self.method!r} is not one of {RECORD_METHODS}")
         object.__setattr__(self, "transposed", bool(self.transposed))
         payload = np.asarray(self.payload)
         if payload.dtype != np.uint8:

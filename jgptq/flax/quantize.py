@@ -22,14 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
-from jgptq.config import QuantConfig
+from jgptq.config import METHODS, QuantConfig
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
 
 log = logging.getLogger("jgptq")
 
 MODES = ("sequential", "all_at_once")
-METHODS = ("gptq", "rtn")
 
 
 class QuantizeResult(NamedTuple):

@@ -1,7 +1,5 @@
 """Experts spread over every device, and over hosts: sharding, room check, same bytes on any mesh.
 
-(Design note and launch instructions: see the sections below; they are written to be pasted into README.md.)
-
 How work is split
 -----------------
 Experts of one shape (a "bucket": every ``gate``/``up``/``down`` of a layer, or any dict of named weights
@@ -19,33 +17,30 @@ from shapes alone, nothing allocated) against each device's free memory (``bytes
 unlimited unless a limit is simulated with ``memory_limit=`` or ``JGPTQ_DEVICE_MEMORY_LIMIT``). Devices without
 room for one expert take no work; the plan takes the largest batch k and then the most experts per device that
 fit; when the bucket does not fit at once it runs in balanced chunks. The chosen program's own analysis is
-checked before it runs, so an out-of-memory error cannot happen where a smaller chunk fits (the estimate is
-XLA's plus, on accelerators, a slack for workspaces allocated at run time that the analysis does not see: 2 x one
-expert's inputs and outputs per vmap lane + 1 MiB, which bounded the H200's measured peaks of three shapes where
-the analysis alone fell short by up to 105 MB; allocator fragmentation is not in it, hence ``reserve=``). Hessian partials accumulated where the
-activations lived are merged onto the device that will solve the expert (:func:`merge_partials`).
+checked before it runs, so an out-of-memory error cannot happen where a smaller chunk fits. The estimate is XLA's
+plus, on accelerators, a slack for workspaces allocated at run time that the analysis does not see
+(:func:`~jgptq.parallel.engine.runtime_slack`: 2 x one expert's inputs and outputs per vmap lane + 1 MiB);
+allocator fragmentation is not in it, hence ``reserve=``. Hessian partials accumulated where the activations
+lived are merged onto the device that will solve the expert (:func:`merge_partials`).
 
 Same bytes on any mesh. A result depends on the inputs and the configuration only, not on the number of
-devices, chunks or the batch: every device runs the same per-expert program. Two things had to be pinned down
-for this on XLA:CPU: (1) a ``jnp.sum`` reduces in a different order in a batched and an unbatched program, so the
-GPTQ loss is summed by a fixed pairwise tree; (2) a ``vmap`` of width 1 is compiled to other matmul kernels (the
-unit batch axis is stripped and the block update fused with its transposes), so the engine never runs one: batch
-1 is the unbatched program and larger batches divide the per-device count evenly. Tests check bytes for 1, 2, 4
-and 8 simulated devices and two processes. GPUs run different kernels than CPUs, so GPU and CPU bytes differ.
-On a GPU the unbatched program also differs from batched ones (on the H200 they agreed on 12 of 16 experts), so
-there a bucket of two or more experts never runs unbatched (a device's experts are padded to two); batch widths 2
-to 128, chunked or not, agreed on 543 of 544 expert comparisons (``benchmarks/batch_invariance.py``): bytes
-are the same across GPU device counts as far as measured, not by construction. The width stays the experts per
-device, because the column loop is latency bound and a narrower vmap is slower. Programs are compiled with
-cuBLAS GEMMs on GPUs (``xla_gpu_enable_triton_gemm=false``): autotuning Triton GEMMs was most of the compile
-time (47 s -> 6.9 s for a layer's three solve programs on the H200, same run time and bytes).
+devices, chunks or the batch: every device runs the same per-expert program. Two things are pinned down for this
+on XLA:CPU: (1) a ``jnp.sum`` reduces in a different order in a batched and an unbatched program, so the GPTQ
+loss is summed by a fixed pairwise tree; (2) a ``vmap`` of width 1 is compiled to other matmul kernels (the unit
+batch axis is stripped and the block update fused with its transposes), so the engine never runs one: batch 1 is
+the unbatched program and larger batches divide the per-device count evenly. Tests check bytes for 1, 2, 4 and 8
+simulated devices and two processes. GPUs run different kernels than CPUs, so GPU and CPU bytes differ. On a GPU
+the unbatched program also compiles to other kernels than batched ones, so there a bucket of two or more experts
+never runs unbatched (a device's experts are padded to two); that batched widths and chunkings give the same
+bytes on a GPU is measured (``benchmarks/batch_invariance.py``, README "Several devices and hosts"), not
+guaranteed by construction. The width stays the experts per device, because the column loop is latency bound
+and a narrower vmap is slower. Programs are compiled with cuBLAS GEMMs on GPUs (:mod:`jgptq.xla_options`).
 
 On one CPU host, simulated devices (``--xla_force_host_platform_device_count``) are a test vehicle, not a
-speed-up: their runtimes share the cores and XLA:CPU's thread pool, and 4 of them ran a 16-expert bucket several
-times slower than one device on a 2-core machine (``benchmarks/results/parallel_overhead.json``); the scheduling
-itself (plan, placement, gather) took about 3 ms there. Spread CPU work over processes or hosts instead. A lax.map
-batch above 1 on several CPU devices can also deadlock XLA:CPU (batched LAPACK calls inside shard_map), which is
-why the default batch on CPU is 1.
+speed-up: their runtimes share the cores and XLA:CPU's thread pool (``benchmarks/parallel_overhead.py`` measures
+the scheduling cost). Spread CPU work over processes or hosts instead. A lax.map batch above 1 on several CPU
+devices can also deadlock XLA:CPU (batched LAPACK calls inside shard_map), which is why the default batch on CPU
+is 1.
 
 The imatrix-only path (no GPTQ: a plain encode of each weight with its importance) uses the same engine
 (:func:`encode_experts`), or encodes each weight on the device where it already lives, every device at once

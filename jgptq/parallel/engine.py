@@ -11,20 +11,19 @@ cross-device traffic: the compiled program holds no collective). ``batch_size`` 
 per-expert program; k >= 2 scans ``vmap`` over k experts at a time, and ``m`` is then a multiple of k.
 
 Same bytes on any mesh: an expert's result must not depend on the number of lax.map steps, on the vmap width k, or
-on the chunking. On CPU it does not (tested with 1-8 devices, batch 1 throughout). On a GPU, the unbatched program
-(k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky, GEMMs chosen per
-shape): on the H200 k = 1 and k = 16 agreed on 12 of 16 experts, while widths 2 to 128, chunked or not, agreed on
-543 of 544 expert comparisons (``benchmarks/results/batch_invariance_h200.json``). So on accelerators a bucket
-of two or more experts never runs at width 1 (a device's experts are padded to two); the width is otherwise the
-experts per device (up to 256): a narrower vmap would make the solve, whose per-column steps are latency bound,
-slower.
+on the chunking. On CPU it does not (tested with 1-8 devices, and batch 1 against batch 2). On a GPU, the
+unbatched program (k = 1) compiles to other kernels than batched ones (cuSOLVER's single and batched Cholesky,
+GEMMs chosen per shape), and its bytes may differ from a batched run's (``benchmarks/batch_invariance.py``
+measures it). So on accelerators a bucket of two or more experts never runs at width 1 (a device's experts are
+padded to two); the width is otherwise the experts per device (up to :data:`MAX_BATCH_DEFAULT`): a narrower vmap
+would make the solve, whose per-column steps are latency bound, slower.
 
 Room check (:func:`plan`): a device's program for m experts at batch k needs ``fixed_k + m * io`` bytes, where
 ``io`` is one expert's inputs + outputs and ``fixed_k`` the rest (temporaries of one lax.map step, loop state),
 read from ``memory_analysis()`` of the compiled program for two steps (lowered from ShapeDtypeStructs, nothing
 allocated; k > 2 is extrapolated from k = 1, 2), plus, on accelerators, a runtime slack of ``2 * io`` per vmap
-lane and 1 MiB: on the H200 a 768 x 2048 solve allocated 52 MiB per lane at run time beyond its memory analysis
-(library workspaces the analysis does not see), and other shapes up to 1 MiB. A device takes work if it has room
+lane and 1 MiB for the library workspaces allocated at run time, which the analysis does not see
+(:func:`runtime_slack`; ``benchmarks/room_check.py`` measures the bound). A device takes work if it has room
 for one expert alone. The plan takes the largest m that fits at that k on every working device; when experts
 are left over, they run in chunks of ``devices x m`` (balanced, padded with copies of a real expert whose
 results are dropped). The compiled program of the chosen (m, k) is checked itself before it runs; if its
@@ -181,15 +180,16 @@ def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
         hit = _compiled.get(key)
     if hit is None:
         hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
-        hit += runtime_slack(mesh.devices.flat[0].platform, _io_bytes(spec), k)
+        hit += runtime_slack(mesh.devices.flat[0].platform, io_bytes(spec), k)
         with _lock:
             _compiled[key] = hit
     return hit
 
 
 @functools.lru_cache(maxsize=256)
-def _io_bytes(spec: _Spec) -> int:
-    """Input + output bytes of one expert (mapped inputs only; shared inputs are in every program's peak)."""
+def io_bytes(spec: _Spec) -> int:
+    """Input + output bytes of one expert of ``spec`` (mapped inputs only; shared inputs are in every program's
+    peak)."""
     inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
               if a is not None and ax == 0)
     args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
@@ -230,7 +230,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     for d, b in (gather_bytes or {}).items():
         if d in free and free[d] < memory.UNLIMITED:
             free[d] = max(0, free[d] - b)
-    io = _io_bytes(spec)
+    io = io_bytes(spec)
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"devices of one platform only, got {sorted(platforms)}")
@@ -324,12 +324,14 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
 # Running a plan
 
 
-def _is_seq(x) -> bool:
+def is_sequence(x) -> bool:
+    """Whether a mapped argument is a sequence of per-expert arrays (a list or tuple) rather than one array with
+    a leading expert axis."""
     return isinstance(x, (list, tuple))
 
 
 def _expert_aval(x):
-    if _is_seq(x):
+    if is_sequence(x):
         if not x:
             raise ValueError("an empty sequence of per-expert arrays")
         x = x[0]
@@ -347,7 +349,7 @@ def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
             avals.append(None)
         elif ax == 0:
             avals.append(_expert_aval(a))
-            counts.add(len(a) if _is_seq(a) else a.shape[0])
+            counts.add(len(a) if is_sequence(a) else a.shape[0])
         elif ax is None:
             avals.append(jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)))
         else:
@@ -359,7 +361,7 @@ def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
 
 def _block(x, idx: list, device, dtype):
     """Experts ``idx`` of ``x`` stacked on ``device``."""
-    if _is_seq(x):
+    if is_sequence(x):
         return jnp.stack([jax.device_put(jnp.asarray(x[i], dtype), device) for i in idx])
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
     if isinstance(x, jax.Array):
@@ -386,6 +388,19 @@ def _place(spec: _Spec, args, plan_: Plan, mesh: Mesh, start: int):
             blocks = [jax.device_put(jnp.asarray(a, aval.dtype), d) for _, d in local]
             out.append(jax.make_array_from_single_device_arrays(aval.shape, repl, blocks))
     return out
+
+
+def gathered_bytes(spec: _Spec, num_experts: int, gather_to=None) -> Optional[dict]:
+    """``{device: bytes}`` the results of ``num_experts`` experts of ``spec`` take on the device :func:`run`
+    gathers them to (``gather_to`` as there), for :func:`plan`'s ``gather_bytes``; None when they go to the
+    host."""
+    if gather_to is None:
+        gather_to = jax.local_devices()[0] if jax.process_count() == 1 else "host"
+    if gather_to == "host":
+        return None
+    inputs = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
+                 if a is not None and ax == 0)
+    return {gather_to: num_experts * (io_bytes(spec) - inputs)}
 
 
 def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):
@@ -435,7 +450,7 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
         arrays (each may live on any device), a shared array (in_axes None), or None.
       in_axes: 0 (mapped) or None (shared) per argument.
       devices: devices to spread over (default: every device, ``jax.devices()``).
-      batch_size: upper bound of the per-device lax.map batch (default: 1 on CPU, 8 elsewhere).
+      batch_size: upper bound of the per-device lax.map batch (default: 1 on CPU, 256 elsewhere).
       memory_limit, reserve: simulated limit / bytes kept free (see :func:`jgptq.parallel.memory.free_bytes`).
       gather_to: see :func:`run`.
       plan_: a :class:`Plan` made earlier by :func:`plan` for the same spec (skips planning).
@@ -445,12 +460,8 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
     spec, num = make_spec(fn, args, in_axes)
     if plan_ is None:
         devices = list(jax.devices() if devices is None else devices)
-        target = gather_to if gather_to not in (None, "host") else (
-            jax.local_devices()[0] if gather_to is None and jax.process_count() == 1 else None)
-        out_bytes = _io_bytes(spec) - sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in
-                                          zip(spec.avals, spec.in_axes) if a is not None and ax == 0)
         plan_ = plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                     gather_bytes=None if target is None else {target: num * out_bytes})
+                     gather_bytes=gathered_bytes(spec, num, gather_to))
     elif plan_.num_experts != num:
         raise ValueError(f"the plan is for {plan_.num_experts} experts, got {num}")
     return run(spec, args, plan_, gather_to)

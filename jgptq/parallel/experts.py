@@ -17,7 +17,6 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jgptq import gptq
 from jgptq.config import QuantConfig
@@ -33,29 +32,29 @@ class _Solver:
     codec: Optional[gptq.GroupCodec] = None
 
     def __call__(self, weight, hessian, importance):
-        return gptq._solve(weight, hessian, importance, self.config, self.codec)
+        return gptq.solve_unchecked(weight, hessian, importance, self.config, self.codec)
 
 
 def _axes(hessians, importance):
-    h_ax = None if (not engine._is_seq(hessians) and len(hessians.shape) == 2) else 0
-    i_ax = None if importance is None or (not engine._is_seq(importance) and len(importance.shape) == 1) else 0
+    h_ax = None if (not engine.is_sequence(hessians) and len(hessians.shape) == 2) else 0
+    i_ax = None if importance is None or (not engine.is_sequence(importance) and len(importance.shape) == 1) else 0
     return (0, h_ax, i_ax)
 
 
 def _pick(x, i: int, full_ndim: int):
     if x is None:
         return None
-    return jnp.asarray(x[i] if engine._is_seq(x) or x.ndim == full_ndim else x)
+    return jnp.asarray(x[i] if engine.is_sequence(x) or x.ndim == full_ndim else x)
 
 
 def _check(weights, hessians, importance, config, name):
-    if engine._is_seq(weights) or engine._is_seq(hessians) or engine._is_seq(importance):
+    if engine.is_sequence(weights) or engine.is_sequence(hessians) or engine.is_sequence(importance):
         for i in range(len(weights)):
-            gptq._check_inputs(_pick(weights, i, 3), _pick(hessians, i, 3), _pick(importance, i, 2), config,
-                               f"{name}[{i}]", batched=False)
+            gptq.check_inputs(_pick(weights, i, 3), _pick(hessians, i, 3), _pick(importance, i, 2), config,
+                              f"{name}[{i}]", batched=False)
     else:
-        gptq._check_inputs(jnp.asarray(weights), jnp.asarray(hessians),
-                           None if importance is None else jnp.asarray(importance), config, name, batched=True)
+        gptq.check_inputs(jnp.asarray(weights), jnp.asarray(hessians),
+                          None if importance is None else jnp.asarray(importance), config, name, batched=True)
 
 
 def plan_solve(weights, hessians, config: QuantConfig = QuantConfig(), *, importance=None, devices=None,
@@ -68,12 +67,8 @@ def plan_solve(weights, hessians, config: QuantConfig = QuantConfig(), *, import
     args = (weights, hessians, importance)
     spec, num = engine.make_spec(_Solver(config, codec), args, _axes(hessians, importance))
     devices = list(jax.devices() if devices is None else devices)
-    target = gather_to if gather_to not in (None, "host") else (
-        jax.local_devices()[0] if gather_to is None and jax.process_count() == 1 else None)
-    out_bytes = engine._io_bytes(spec) - sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, ax in
-                                             zip(spec.avals, spec.in_axes) if a is not None and ax == 0)
     return engine.plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                       gather_bytes=None if target is None else {target: num * out_bytes})
+                       gather_bytes=engine.gathered_bytes(spec, num, gather_to))
 
 
 def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, importance=None, devices=None,
@@ -181,7 +176,7 @@ def encode_experts(fn: Callable, weights, importance=None, **kwargs):
     Returns:
       ``fn``'s pytree with a leading expert axis E, in input order.
     """
-    i_ax = None if importance is None or (not engine._is_seq(importance) and len(importance.shape) == 1) else 0
+    i_ax = None if importance is None or (not engine.is_sequence(importance) and len(importance.shape) == 1) else 0
     return engine.map_experts(_Encoder(fn), (weights, importance), (0, i_ax), **kwargs)
 
 

@@ -181,6 +181,18 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
             command.build_config(parsed("--export", kind, "--mix", "q4_k_m"), "float32")
 
 
+def test_option_defaults_are_the_config_defaults():
+    from interop import command
+    from jgptq.cli import build_parser
+    from jgptq.config import PipelineConfig
+
+    args = build_parser().parse_args(["quantize", "m", "--calib", "c", "--out", "o"])
+    # no option given: the library's defaults, but for the window length the command line tokenizes to
+    assert command.build_config(args, "float16") == PipelineConfig.build(None, max_length=args.seq_len)
+    demo = build_parser().parse_args(["demo"])
+    assert demo.bits == PipelineConfig().quant.bits
+
+
 def test_quantize_to_gguf_writes_the_blocks_the_run_chose(model_dir, env, tmp_path):
     import gguf
     import numpy as np
