@@ -1,0 +1,156 @@
+"""The compiled programs of the engine (:mod:`jgptq.parallel.engine`): a call's static description, its
+``jit(shard_map(...))`` program over the expert mesh for ``m`` experts a device at vmap width ``k``, compiled once
+and cached, and what its memory analysis predicts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jgptq import xla_options
+from jgptq.parallel import memory
+
+AXIS = "expert"
+
+
+def compiler_options(platform: str) -> Optional[dict]:
+    """XLA options of the engine's programs on ``platform``: on GPUs, GEMMs from cuBLAS rather than Triton
+    (:mod:`jgptq.xla_options`); nothing elsewhere."""
+    return xla_options.gemm_options() if platform == "gpu" else None
+
+
+def runtime_slack(platform: str, io: int, k: int) -> int:
+    """Bytes a program allocates at run time beyond its memory analysis (measured on GPUs; none on CPU)."""
+    return 0 if platform == "cpu" else k * 2 * io + (1 << 20)
+
+
+def expert_mesh(devices: Sequence) -> Mesh:
+    """A 1-D Mesh over ``devices`` (in the given order) with the axis ``"expert"`` (Auto axis type)."""
+    return _mesh(tuple(devices))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh(devices: tuple) -> Mesh:
+    return Mesh(np.asarray(devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+class _Spec(NamedTuple):
+    """Static description of a call: per-expert avals of mapped args, full avals of shared ones."""
+
+    fn: Callable
+    in_axes: tuple
+    avals: tuple      # per argument: ShapeDtypeStruct of ONE expert (mapped), of the whole arg (shared), or None
+
+
+def _per_device(fn, in_axes, k):
+    def body(*args):
+        mapped = tuple(a for a, ax in zip(args, in_axes) if ax == 0 and a is not None)
+
+        def one(xs):
+            it = iter(xs)
+            return fn(*(next(it) if ax == 0 and a is not None else a for a, ax in zip(args, in_axes)))
+
+        if k == 1:
+            return jax.lax.map(one, mapped)
+        return jax.lax.map(one, mapped, batch_size=k)
+
+    return body
+
+
+_lock = threading.Lock()
+_compiled: dict = {}
+
+
+def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
+    """The compiled program for ``per_device`` experts on each device of ``mesh`` (cached per process)."""
+    key = (spec, mesh, per_device, k)
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    n = mesh.devices.size
+    shard, repl = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    in_specs, structs = [], []
+    for aval, ax in zip(spec.avals, spec.in_axes):
+        if aval is None:
+            in_specs.append(None)
+            structs.append(None)
+        elif ax == 0:
+            in_specs.append(P(AXIS))
+            structs.append(jax.ShapeDtypeStruct((n * per_device, *aval.shape), aval.dtype, sharding=shard))
+        else:
+            in_specs.append(P())
+            structs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=repl))
+    program = jax.jit(jax.shard_map(_per_device(spec.fn, spec.in_axes, k), mesh=mesh, in_specs=tuple(in_specs),
+                                    out_specs=P(AXIS), check_vma=False))
+    compiled = program.lower(*structs).compile(compiler_options=compiler_options(mesh.devices.flat[0].platform))
+    with _lock:
+        _compiled[key] = compiled
+    return compiled
+
+
+def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
+    """Predicted per-device peak bytes of :func:`compiled_program`: its memory analysis (cached: reading it is not
+    free) plus :func:`runtime_slack`."""
+    key = (spec, mesh, per_device, k, "peak")
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is None:
+        hit = memory.program_peak(compiled_program(spec, mesh, per_device, k))
+        hit += runtime_slack(mesh.devices.flat[0].platform, io_bytes(spec), k)
+        with _lock:
+            _compiled[key] = hit
+    return hit
+
+
+@functools.lru_cache(maxsize=256)
+def io_bytes(spec: _Spec) -> int:
+    """Input + output bytes of one expert of ``spec`` (mapped inputs only; shared inputs are in every program's
+    peak)."""
+    inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
+              if a is not None and ax == 0)
+    args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
+    out = jax.eval_shape(spec.fn, *args)
+    return inp + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
+
+
+def is_sequence(x) -> bool:
+    """Whether a mapped argument is a sequence of per-expert arrays (a list or tuple) rather than one array with
+    a leading expert axis."""
+    return isinstance(x, (list, tuple))
+
+
+def _expert_aval(x):
+    if is_sequence(x):
+        if not x:
+            raise ValueError("an empty sequence of per-expert arrays")
+        x = x[0]
+        return jax.ShapeDtypeStruct(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
+    return jax.ShapeDtypeStruct(tuple(x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def make_spec(fn, args: Sequence, in_axes: Sequence) -> tuple[_Spec, int]:
+    """The static spec of ``fn`` over ``args`` (arrays, ShapeDtypeStructs or per-expert sequences) and E."""
+    if len(args) != len(in_axes):
+        raise ValueError(f"{len(args)} arguments but {len(in_axes)} in_axes")
+    avals, counts = [], set()
+    for a, ax in zip(args, in_axes):
+        if a is None:
+            avals.append(None)
+        elif ax == 0:
+            avals.append(_expert_aval(a))
+            counts.add(len(a) if is_sequence(a) else a.shape[0])
+        elif ax is None:
+            avals.append(jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)))
+        else:
+            raise ValueError(f"in_axes entries must be 0 or None, got {ax!r}")
+    if len(counts) != 1:
+        raise ValueError(f"mapped arguments disagree on the number of experts: {sorted(counts)}")
+    return _Spec(fn, tuple(in_axes), tuple(avals)), counts.pop()
