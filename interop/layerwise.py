@@ -72,6 +72,7 @@ from interop import resume as resume_mod
 from interop.dlpack import to_jax
 from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import Part, solve_layer, solve_shapes, warm_solves
+from jgptq import statistics
 from jgptq.config import PipelineConfig
 from jgptq.export.records import QuantizedWeight
 
@@ -443,8 +444,8 @@ def _process_layer(i, layer, target, hidden, layer_inputs, batch_list, names, cf
         if not shapes <= warmed:  # a layer of new shapes: its solve programs compile beside the calibration
             warm = warm_solves(target, cfg, devices=devices)
             warmed.update(shapes)
-    collector = capture.Collector(target.linears, target.experts,
-                                  all_experts=cfg.moe.calibration == "all_experts", input_dtype=cfg.hessian_dtype)
+    collector = capture.Collector(target.linears, target.experts, statistics.calibration(
+        cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
     t0 = time.perf_counter()
     if target.linears or target.experts:
         with collector.attach():
