@@ -20,8 +20,7 @@ Before the run, the layers are moved to host memory or written to their files by
 ``"cpu"``, moves ahead and no ``device_budget``, layers that start on the device leave it instead from the last one
 back while the run works (the device is as full at the start as it was given).
 
-Layer files and what a layer holds: :mod:`interop.layer_files` (``load_layer`` and ``reload_all`` are importable
-from here too).
+Layer files and what a layer holds: :mod:`interop.layer_files` (``load_layer`` and ``reload_all`` are here too).
 
 Device budget (``PipelineConfig.device_budget``): before any work, each layer's need on the device is estimated
 (:func:`layer_need`: its parameters, the calibration activations of a layer's input and output, the Hessian
@@ -88,11 +87,8 @@ def captured_bytes(hidden, layer_inputs, device) -> int:
         if isinstance(obj, torch.Tensor):
             if _same_device(obj.device, device):
                 seen[id(obj)] = obj
-        elif isinstance(obj, (tuple, list)):
-            for o in obj:
-                walk(o)
-        elif isinstance(obj, dict):
-            for o in obj.values():
+        elif isinstance(obj, (tuple, list, dict)):
+            for o in obj.values() if isinstance(obj, dict) else obj:
                 walk(o)
 
     walk(layer_inputs)
@@ -192,6 +188,9 @@ class Placement:
         self.needs = list(needs)
         verdict = self.budget.assess(self.needs, self.ahead)
         self.ahead = self.memory["moves_ahead"] = verdict.ahead
+        if self._moves is not None and not self.ahead:  # turned off after prepare (no move is queued yet)
+            self._moves, moves = None, self._moves
+            moves.close()
         self.memory["need"] = verdict.record()
         verdict.raise_if_over()
 

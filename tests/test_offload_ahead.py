@@ -113,3 +113,29 @@ def test_moves_run_in_order_on_one_worker_and_raise_on_wait():
     moves.wait_all()
     assert "queued" not in order and moves.keys() == []
     moves.close()
+
+
+def test_measured_activations_without_room_for_the_neighbours_turn_prepared_moves_in_line():
+    from jgptq.config import PipelineConfig
+    from tests.test_offload import Block
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 8)
+            self.layers = torch.nn.ModuleList([Block() for _ in range(3)])
+
+    model = Toy()
+    layer, other = own_bytes(model.layers[0]), own_bytes(model.embed)
+    cfg = PipelineConfig(offload="cpu", device_budget=other + 3 * layer + 100)
+    place = offload.Placement(model, model.layers, cfg, torch.device("cpu"), ahead=True)
+    place.check([offload.LayerNeed(layer, 100, 0, 0)] * 3)         # the estimate leaves room for the neighbours
+    assert place.memory["moves_ahead"] is True
+    place.prepare()
+    place.check_activations(100 + layer)                             # the measured ones do not
+    assert place.memory["moves_ahead"] is False and place.memory["need"]["total"] == other + 2 * layer + 100
+    for i in range(3):                                               # one layer on the device at a time
+        place.fetch(i)
+        place.put_back(i)
+    place.finish(failed=False)
+    assert place.memory["peak_parameters_on_device"] == other + layer
