@@ -49,7 +49,7 @@ from interop.budget import (  # noqa: F401 - DeviceBudgetError: public here too
 from interop.layer_files import (  # noqa: F401 - layer_file, load_layer, reload_all: public here too
     LayerFolder, check_not_shared, host_bytes, is_released, layer_file, load_layer, nbytes, read_layer, release_layer,
     reload_all, unique_tensors, write_layer)
-from interop.moves import Moves, Staging
+from interop.moves import Evacuation, Moves, Staging
 
 PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places before the run
 # moves between a CUDA device and host memory go through pinned buffers (see interop.moves.Staging); the
@@ -161,9 +161,8 @@ class Placement:
         # moves run ahead (next layer in, finished layer out, beside the work) unless layers share tensors
         shared = len(in_layers) != sum(len(unique_tensors(la)) for la in layers)
         self.ahead = self.budget.moves_ahead(shared, moves_ahead_on(device) if ahead is None else ahead)
-        self._moves = self._evac = None
-        self._lock, self._local = threading.Lock(), threading.local()
-        self._claimed = -1                           # the evacuation leaves layers up to this one alone
+        self._moves = self._evac = None              # moves ahead; the evacuation beside the work (cpu)
+        self._local = threading.local()              # per thread: pinned staging buffers
         self._early: set = set()                     # layers brought ahead and not yet fetched
         self._leaving: set = set()                   # layers whose move out is pending
         self.memory = {"offload": self.mode, "device": str(device), "budget": self.budget.limit,
@@ -228,9 +227,7 @@ class Placement:
             resident = [i for i, layer in enumerate(self.layers)
                         if any(_same_device(t.device, self.device) for t in unique_tensors(layer).values())]
             if resident:
-                self._evac = Moves(self.device, 1)
-                for j in reversed(resident):
-                    self._evac.submit(j, functools.partial(self._evacuate, j), after_current=True)
+                self._evac = Evacuation(self.device, resident, self._leave)
                 self.on_device |= set(resident)
                 eager = [i for i in eager if i not in resident]
         if self.moves and eager:
@@ -282,42 +279,23 @@ class Placement:
         else:
             self._move(layer, torch.device("cpu"))
 
-    def _evacuate(self, j: int) -> bool:
-        """Moves unprocessed layer ``j`` from the device to host memory unless the pipeline has claimed it (it is
-        processed next, or now); returns whether it moved. Runs on the evacuation worker."""
-        with self._lock:
-            if j <= self._claimed:
-                return False
-        self._leave(j)
-        return True
-
-    def _claim(self, i: int) -> None:
-        """Stops the evacuation of layers up to ``i + 1`` and waits for any under way."""
-        if self._evac is None:
-            return
-        with self._lock:
-            self._claimed = max(self._claimed, i + 1)
-        for j in (i, i + 1):  # dropped when not started (it would wait behind the layers queued before it)
-            if self._evac.pending(j) and not self._evac.cancel(j) and self._evac.wait(j):
-                self.on_device.discard(j)
-
-    def _settle(self) -> None:
-        """Unbooks the layers whose move out (or evacuation) has ended."""
-        for i in [j for j in self._leaving if self._moves.done(("out", j))]:
-            self._moves.wait(("out", i))
-            self._leaving.discard(i)
-            self.on_device.discard(i)
+    def _settle(self, i: int) -> None:
+        """Claims layers ``i`` and ``i + 1`` from the evacuation and unbooks the layers whose move out (or
+        evacuation) has ended."""
         if self._evac is not None:
-            for j in [j for j in self._evac.keys() if self._evac.done(j)]:
-                if self._evac.wait(j):
-                    self.on_device.discard(j)
+            self._evac.claim(i, self.on_device)
+        for j in [j for j in self._leaving if self._moves.done(("out", j))]:
+            self._moves.wait(("out", j))
+            self._leaving.discard(j)
+            self.on_device.discard(j)
+        if self._evac is not None:
+            self._evac.unbook(self.on_device)
 
     def fetch(self, i: int) -> nn.Module:
         """Places layer ``i`` on the device for processing and returns it; with moves ahead, starts bringing
         layer ``i + 1``."""
         if self._moves is not None:
-            self._claim(i)
-            self._settle()
+            self._settle(i)
             if i in self._early:
                 self._early.discard(i)
                 self._moves.wait(("in", i))
@@ -358,13 +336,8 @@ class Placement:
             errors: dict = {}
             if self._evac is not None:
                 evac, self._evac = self._evac, None
-                with self._lock:
-                    self._claimed = len(self.layers)  # the evacuations not yet started are dropped
-                try:
-                    moved, errors = evac.wait_each()
-                finally:
-                    evac.close()
-                self.on_device -= {j for j, went in moved.items() if went}
+                moved, errors = evac.end()
+                self.on_device.difference_update(moved)
             if self._moves is not None:
                 moves, self._moves = self._moves, None
                 try:
