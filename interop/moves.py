@@ -11,6 +11,9 @@ asks for the next layer while it processes the current one, and hands a finished
   work is done, never half-written.
 - :meth:`Moves.wait` blocks until a move has finished (its copies included) and raises its error, if any. Memory a
   move allocates is complete when ``wait`` returns; the caller's stream may use it without further sync.
+
+:class:`Evacuation` moves the layers that start on the device off it, from the last one back, while the pipeline
+works from the first one on; a layer the pipeline claims stays.
 """
 
 from __future__ import annotations
