@@ -2,8 +2,9 @@
 
 One calibration forward of an MoE layer hands the capture its routed rows sorted by expert. The former path added
 each expert's rows with two JAX calls (``hessian.accumulate_at`` and ``hessian.accumulate_squares``) per expert
-and projection; the grouped path scatters the rows of a group of experts into one padded (G, P, C) stack and adds
-Hessians, token counts and sums of squares in one ``hessian.accumulate_group`` call per group. Both run here on
+and projection; the grouped path (the capture's) scatters the rows of a group of experts into one padded (G, P, C)
+stack and adds it with one call per statistic of the capture's chain (:func:`jgptq.statistics.calibration`: Hessian
+sums and token counts, sums of squares) per group. Both run here on
 the same rows (a skewed routing: expert loads drawn from a Dirichlet); reported are the seconds per forward of
 each, their ratio, and the largest relative difference of the resulting Hessians (float32 summation order only).
 """
@@ -30,7 +31,7 @@ def main(argv=None):
     import torch
 
     from interop import capture
-    from jgptq import hessian
+    from jgptq import hessian, statistics
 
     rng = np.random.default_rng(0)
     e, c, rows = s["experts"], s["cols"], s["tokens"] * s["top_k"]
@@ -53,15 +54,12 @@ def main(argv=None):
             sums = hessian.accumulate_squares(sums, i, xj, mj)
         return state, sums
 
-    collector = capture.Collector({}, {}, input_dtype=s["input_dtype"])
-    expert = torch.repeat_interleave(torch.arange(e), torch.from_numpy(counts))
-    pos = torch.arange(rows) - torch.from_numpy(starts)[expert]
+    collector = capture.Collector({}, {}, statistics.calibration(s["input_dtype"]))
 
     def grouped():
-        collector.states.clear()
-        collector.squares.clear()
-        collector._add_grouped("k", x, expert, pos, None, counts.tolist(), e, "bench")
-        return collector.states["k"], collector.squares["k"][0]
+        collector.release()
+        collector._add_grouped("k", x, counts.tolist(), None, e, "bench")
+        return collector.states_of["hessian"]["k"], collector.states_of["imatrix"]["k"].sums
 
     sync = jax.block_until_ready
     old = common.time_calls(per_expert, sync, warmup=1, repeat=s["repeat"])

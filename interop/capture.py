@@ -1,10 +1,12 @@
-"""Seeing the inputs of every weight of a decoder layer, and summing them into Hessians (JAX, via DLPack).
+"""Seeing the inputs of every weight of a decoder layer, and feeding them to a chain of statistics (JAX, via DLPack).
 
-Two mechanisms, both active only inside :meth:`Collector.attach`:
+The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian sum, the importance statistic);
+:class:`Collector` applies each to every input it sees. Two mechanisms, both active only inside
+:meth:`Collector.attach`:
 
-- forward hooks on ``nn.Linear`` modules: a module's input rows feed its Hessian. Modules that receive the very
+- forward hooks on ``nn.Linear`` modules: a module's input rows feed its statistics. Modules that receive the very
   same input tensor object in one forward (q/k/v after the input norm, gate/up after the post-attention norm,
-  a shared expert's gate/up) share one Hessian: the tie is observed, not listed per model;
+  a shared expert's gate/up) share one state: the tie is observed, not listed per model;
 - the ``"jgptq_capture"`` experts implementation, registered with transformers' ``ExpertsInterface`` and selected
   with ``model.set_experts_implementation`` (see :func:`experts_implementation`). It computes the layer output like
   the eager loop (float32 accumulation of the weighted expert outputs, as ``grouped_mm`` does) for every flag
@@ -13,9 +15,10 @@ Two mechanisms, both active only inside :meth:`Collector.attach`:
   activated ``act(gate) * up``) to the active :class:`Collector`. On accelerators the routed experts run as two
   grouped matrix products (torch's ``grouped_mm``) instead of a loop over experts (:func:`_grouped_on`).
 
-Calibration modes: ``routed`` (an expert sees the tokens the router sends it) and ``all_experts`` (its gate/up and
-down Hessians see every token; the output still uses the routed rows only, so it is exactly the routed output;
-gate/up of all experts then share one Hessian). Padding tokens (attention mask 0) never reach a Hessian.
+Calibration modes: ``routed`` (an expert sees the tokens the router sends it) and ``all_experts`` (a statistic made
+with ``all_experts``, the Hessian in that mode, sees every token at its gate/up and down inputs; the output still
+uses the routed rows only, so it is exactly the routed output; gate/up of all experts then share one state).
+Padding tokens (attention mask 0) never reach a statistic.
 """
 
 from __future__ import annotations
@@ -23,15 +26,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from interop.dlpack import to_jax
-from interop.models import UnsupportedModelError, flag
-from jgptq import hessian
+from interop.models import ExpertsLayout, UnsupportedModelError, flag
+from jgptq import statistics as stats
 
 IMPLEMENTATION = "jgptq_capture"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jgptq_collector", default=None)
@@ -69,12 +69,8 @@ def _activate(module, y: torch.Tensor) -> torch.Tensor:
     return apply_gate(y)
 
 
-def _up_name(module) -> str:
-    return "gate_up_proj" if flag(module, "has_gate") else "up_proj"
-
-
-def _up_projection(module, x: torch.Tensor, e: int) -> torch.Tensor:
-    name = _up_name(module)
+def _up_projection(module, lay: ExpertsLayout, x: torch.Tensor, e: int) -> torch.Tensor:
+    name = lay.up_name
     w = getattr(module, name)[e]
     y = x @ w if flag(module, "is_transposed") else F.linear(x, w)
     if flag(module, "has_bias"):
@@ -122,7 +118,7 @@ def _grouped_linear(module, x: torch.Tensor, name: str, offsets: torch.Tensor, e
     return y
 
 
-def _grouped_experts(module, x: torch.Tensor, count_t: torch.Tensor):
+def _grouped_experts(module, lay: ExpertsLayout, x: torch.Tensor, count_t: torch.Tensor):
     """All routed experts at once: rows ``x`` (R, H) sorted by expert, ``count_t`` (E,) rows per expert.
 
     Returns:
@@ -132,7 +128,7 @@ def _grouped_experts(module, x: torch.Tensor, count_t: torch.Tensor):
     expert = None
     if flag(module, "has_bias"):
         expert = torch.repeat_interleave(torch.arange(count_t.numel(), device=x.device), count_t)
-    h = _activate(module, _grouped_linear(module, x, _up_name(module), offsets, expert))
+    h = _activate(module, _grouped_linear(module, x, lay.up_name, offsets, expert))
     o = _finish_down(module, _grouped_linear(module, h, "down_proj", offsets, expert))
     return h, o
 
@@ -149,6 +145,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """
     collector = _ACTIVE.get()
     every = collector is not None and collector.all_experts
+    lay = ExpertsLayout.of(self)
     n_exp = int(self.num_experts)
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
@@ -156,7 +153,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     count_t = torch.bincount(flat, minlength=n_exp)[:n_exp]
     counts = count_t.tolist()
     if not every and _grouped_on(hidden_states.device, hidden_states.dtype):
-        return _grouped_forward(self, collector, hidden_states, top_k_weights, order, count_t, counts, k)
+        return _grouped_forward(self, lay, collector, hidden_states, top_k_weights, order, count_t, counts, k)
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     routed = collector is not None and not every
     down_inputs = []  # routed mode: each expert's down-projection input, in expert order
@@ -170,11 +167,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         if every:
             # Hessians from every token; the output below is recomputed from the routed rows alone, so that it
             # is bit-identical to routed calibration (matmul blocking depends on the row count).
-            collector.expert_inputs(self, e, hidden_states, _up_projection(self, hidden_states, e), tok)
+            collector.expert_inputs(self, e, hidden_states, _up_projection(self, lay, hidden_states, e), tok)
             if counts[e] == 0:
                 continue
         x = hidden_states[tok]
-        h = _up_projection(self, x, e)
+        h = _up_projection(self, lay, x, e)
         if routed:
             down_inputs.append(h)
         o = _down_projection(self, h, e)
@@ -185,14 +182,14 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return out.to(hidden_states.dtype)
 
 
-def _grouped_forward(module, collector, hidden_states, top_k_weights, order, count_t, counts, k):
+def _grouped_forward(module, lay, collector, hidden_states, top_k_weights, order, count_t, counts, k):
     """:func:`experts_forward` with grouped matrix products (see :func:`_grouped_on`); the k weighted outputs of a
     token are summed in float32 in a fixed order (no atomics: the same bytes on every run)."""
     routed = sum(counts)                       # expert-parallel sentinels sort last and are dropped
     sel = order[:routed]
     tok, slot = sel // k, sel % k
     x = hidden_states[tok]
-    h, o = _grouped_experts(module, x, count_t)
+    h, o = _grouped_experts(module, lay, x, count_t)
     if collector is not None and routed:
         collector.routed_inputs(module, x, h, tok, counts)
     product = o * top_k_weights[tok, slot, None]
@@ -227,32 +224,45 @@ def experts_implementation(model):
 
 
 class Collector:
-    """Hessian statistics of one decoder layer's targets, fed by hooks and the capture implementation.
+    """Statistics of one decoder layer's target inputs, fed by hooks and the capture implementation.
 
-    Keys: a linear module's Hessian key is the name of the first module that received the same input tensor
-    (its tie leader); experts modules have stacked states ``(name, "gate_up")`` and ``(name, "down")`` with one
-    entry per expert (``(name, "gate_up")`` is a single state in ``all_experts`` mode).
+    The collector is given a chain of statistics (name -> :class:`jgptq.statistics.Statistic`) and applies each,
+    in order, to every input row it sees; what they compute is theirs. Padding tokens are masked out.
+
+    Keys: a linear module's key is the name of the first module that received the same input tensor (its tie
+    leader); experts modules have stacked states ``(name, "gate_up")`` and ``(name, "down")`` with one entry per
+    expert (``(name, "gate_up")`` is a single state for a statistic that sees every token, ``all_experts``).
 
     Args:
       linears: relative name -> nn.Linear.
       experts: relative name -> (module, :class:`interop.models.ExpertsLayout`).
-      all_experts: the ``all_experts`` calibration mode.
-      input_dtype: ``"float32"`` or ``"bfloat16"`` Hessian operands.
+      statistics: name -> :class:`jgptq.statistics.Statistic` (default :func:`jgptq.statistics.calibration`: the
+        float32 Hessian sum and the importance statistic).
     """
 
-    def __init__(self, linears: dict, experts: dict, *, all_experts: bool = False, input_dtype: str = "float32"):
+    def __init__(self, linears: dict, experts: dict, statistics: dict = None):
         self.linears, self.experts = linears, experts
-        self.all_experts, self.input_dtype = all_experts, input_dtype
-        self.states: dict = {}
-        self.tie: dict = {}                       # linear name -> Hessian key
+        self.statistics = dict(stats.calibration() if statistics is None else statistics)
+        self.states_of = {name: {} for name in self.statistics}   # statistic name -> key -> state
+        self.tie: dict = {}                       # linear name -> state key
         self.routed = {name: [0] * lay.num_experts for name, (_, lay) in experts.items()}
         self.batch_tokens = 0                     # non-padding tokens seen
-        self.squares: dict = {}                   # key -> [float32 (E, C) jax sums of x^2, E token counts]
         self._module_names = {id(m): n for n, (m, _) in experts.items()}
         self._seen: list = []
         self._keep = None
         self._keep_count = None
         self._handles: list = []
+
+    @property
+    def all_experts(self) -> bool:
+        """Whether a statistic sees every token of every expert (the experts' forward then runs each expert on
+        every token, and the routed rows of the output are computed apart)."""
+        return any(s.all_experts for s in self.statistics.values())
+
+    @property
+    def states(self) -> dict:
+        """key -> state of the Hessian statistic (``"hessian"``; empty without one)."""
+        return self.states_of.get(stats.HESSIAN, {})
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -293,53 +303,37 @@ class Collector:
                              f"the attention mask; padding could not be excluded")
         return self._keep
 
-    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations", hessian_too=True,
-             squares=True):
-        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the state ``key`` (entry ``index``):
-        to its Hessian (``hessian_too``) and to its importance statistic (``squares``)."""
+    def _chain(self, all_experts=None) -> list:
+        """(name, statistic) of the chain, in order; only those whose ``all_experts`` is the given one, if any."""
+        return [(n, s) for n, s in self.statistics.items() if all_experts is None or s.all_experts == all_experts]
+
+    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations", chain=None):
+        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the states ``key`` of the statistics of
+        ``chain`` (default: all): entry ``index`` of stacks of ``size`` entries, or a single state (None)."""
+        chain = self._chain() if chain is None else chain
+        if not chain:
+            return
         if keep is not None:
             x = x[keep]
         n = x.shape[0]
-        if squares:
-            sq = self.squares.get(key)
-            if sq is None:
-                sq = self.squares[key] = [None, [0] * (size or 1)]
-            sq[1][index or 0] += n
-        if not hessian_too:
-            state = True  # no Hessian state is made: only the statistic below
-        else:
-            state = self.states.get(key)
+        states = [self.states_of[s].get(key) for s, _ in chain]
         for start in range(0, max(n, 1), _MAX_ROWS):
             piece = x[start:start + _MAX_ROWS]
             m = piece.shape[0]
-            if m == 0 and state is not None and not (squares and sq[0] is None):
+            if m == 0 and all(state is not None for state in states):
                 break
             p = _bucket(m)
             padded = F.pad(piece, (0, 0, 0, p - m)) if p != m else piece
             mask = torch.arange(p, device=piece.device) < m
             xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
-            if squares:
-                if sq[0] is None:
-                    sq[0] = jax.device_put(jnp.zeros((size or 1, x.shape[-1]), jnp.float32),
-                                           next(iter(xj.devices())))
+            for j, (_, statistic) in enumerate(chain):
+                if states[j] is None:
+                    states[j] = statistic.init(x.shape[-1], size, next(iter(xj.devices())))
                 if m:
-                    sq[0] = hessian.accumulate_squares(sq[0], index or 0, xj, mj)
-            if not hessian_too:
-                continue
-            if state is None:
-                dev = next(iter(xj.devices()))
-                state = (hessian.init(x.shape[-1], dev) if size is None
-                         else hessian.init_stacked(size, x.shape[-1], dev))
-            if m == 0:
-                break
-            if index is None:
-                state = hessian.accumulate(state, xj, mj, input_dtype=self.input_dtype, check_finite=False,
-                                           name=name)
-            else:
-                state = hessian.accumulate_at(state, index, xj, mj, input_dtype=self.input_dtype,
-                                              check_finite=False, name=name)
-        if hessian_too:
-            self.states[key] = state
+                    states[j] = statistic.update(states[j], xj, mj, index, name=name)
+        for (s, _), state in zip(chain, states):
+            self.states_of[s][key] = state
+
 
     def _linear_hook(self, name):
         def hook(module, args, output):
@@ -360,8 +354,10 @@ class Collector:
         return hook
 
     def expert_inputs(self, module, e: int, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor):
-        """Called by :func:`experts_forward` for expert ``e``: gate/up input rows x, down input rows h, and the
-        routed token ids ``tok`` (x and h hold every token in ``all_experts`` mode)."""
+        """Called by :func:`experts_forward` for expert ``e`` when a statistic sees every token
+        (:attr:`all_experts`): gate/up input rows x and down input rows h of every token, and the routed token ids
+        ``tok``. Statistics of every token get all rows (gate/up: one state shared by the experts); the others get
+        the routed rows."""
         name = self._module_names.get(id(module))
         if name is None:
             return
@@ -369,19 +365,14 @@ class Collector:
         keep = self._keep
         routed_keep = None if keep is None else keep[tok]
         self.routed[name][e] += int(tok.numel() if routed_keep is None else routed_keep.sum())
-        if self.all_experts:
-            if e == 0:
-                self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up",
-                          squares=False)
-            self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
-                      name=f"{name} down", squares=False)
-            # the importance statistic stays llama.cpp's: routed tokens only
-            for part, rows in (("gate_up", x), ("down", h)):
-                self._add((name, part), rows[tok], routed_keep, index=e, size=lay.num_experts,
-                          name=f"{name} {part}", hessian_too=False)
-        else:
-            self._add((name, "gate_up"), x, routed_keep, index=e, size=lay.num_experts, name=f"{name} gate/up")
-            self._add((name, "down"), h, routed_keep, index=e, size=lay.num_experts, name=f"{name} down")
+        every = self._chain(all_experts=True)
+        if e == 0:
+            self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up", chain=every)
+        self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
+                  name=f"{name} down", chain=every)
+        for part, rows in (("gate_up", x), ("down", h)):
+            self._add((name, part), rows[tok], routed_keep, index=e, size=lay.num_experts, name=f"{name} {part}",
+                      chain=self._chain(all_experts=False))
 
     def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
         """Called once per forward by :func:`experts_forward` in routed mode with every expert's rows at once:
@@ -400,10 +391,10 @@ class Collector:
         for e, n in enumerate(real):
             self.routed[name][e] += n
         for part, rows in (("gate_up", x), ("down", h)):
-            self._add_grouped((name, part), rows, counts, keep, real, n_exp,
+            self._add_grouped((name, part), rows, counts, keep, n_exp,
                               f"{name} {'gate/up' if part == 'gate_up' else part}")
 
-    def _add_grouped(self, key, rows, counts: list, keep, real: list, n_exp: int, name: str):
+    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str):
         """Experts with a similar number of rows (the same power-of-two bucket) are padded to that bucket and
         added together, a group of at most ``_GROUP_BYTES`` (a power of two of experts) per call; an expert with
         more than ``_MAX_ROWS`` rows is added in passes of ``_MAX_ROWS``. See :func:`_fixed_group_sizes` for the
@@ -436,8 +427,8 @@ class Collector:
         layout = torch.tensor([[starts[e], counts[e]] if e >= 0 else [0, 0] for _, slots in groups for e in slots],
                               dtype=torch.long)
         layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
-        state = self.states.get(key)
-        sq = self.squares.get(key)
+        chain = self._chain()
+        states = [self.states_of[s].get(key) for s, _ in chain]
         at = 0
         for p, slots in groups:
             g = len(slots)
@@ -451,35 +442,31 @@ class Collector:
                 padded = rows[idx]
                 mask = valid if keep is None else valid & keep[idx]
                 xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
-                if state is None:
-                    jdev = next(iter(xj.devices()))
-                    state = hessian.init_stacked(n_exp, c, jdev)
-                    sq = [jax.device_put(jnp.zeros((n_exp, c), jnp.float32), jdev), [0] * n_exp]
-                state, sq[0] = hessian.accumulate_group(state, sq[0], index, xj, mj,
-                                                        input_dtype=self.input_dtype, name=name)
-        if state is not None:
-            for e, n in enumerate(real):
-                sq[1][e] += n
-            self.states[key], self.squares[key] = state, sq
+                for j, (_, statistic) in enumerate(chain):
+                    if states[j] is None:
+                        states[j] = statistic.init(c, n_exp, next(iter(xj.devices())))
+                    states[j] = statistic.update(states[j], xj, mj, index, name=name)
+        for (s, _), state in zip(chain, states):
+            self.states_of[s][key] = state
 
     # -- results ---------------------------------------------------------------------------------------------
+    def result(self, statistic: str, key):
+        """The finalized state ``key`` of the statistic named ``statistic``; None if never fed."""
+        state = self.states_of[statistic].get(key)
+        return None if state is None else self.statistics[statistic].finalize(state)
+
     def hessian(self, key):
-        """(finalized Hessian (C, C) or (E, C, C), token counts as a Python int or list); None if never fed."""
-        state = self.states.get(key)
-        if state is None:
-            return None
-        counts = state.token_count.tolist()
-        return hessian.finalize(state), counts
+        """(finalized Hessian (C, C) or (E, C, C), token counts as a Python int or list) of the ``"hessian"``
+        statistic; None if never fed."""
+        return self.result(stats.HESSIAN, key)
 
     def importance_statistic(self, key):
-        """(float32 (E, C) numpy sums of squared inputs, float32 (E,) token counts) of ``key`` over the tokens the
-        weight saw (routed tokens only for experts, in every calibration mode); None if never fed."""
-        sq = self.squares.get(key)
-        if sq is None or sq[0] is None:
-            return None
-        return np.asarray(sq[0], np.float32), np.asarray(sq[1], np.float32)
+        """The :class:`jgptq.imatrix.ImatrixEntry` (float32 (E, C) sums of squared inputs, float32 (E,) token
+        counts) of the ``"imatrix"`` statistic over the tokens the weight saw (routed tokens only for experts, in
+        every calibration mode); None if never fed."""
+        return self.result(stats.IMATRIX, key)
 
     def release(self):
         """Drops every state (frees device memory)."""
-        self.states.clear()
-        self.squares.clear()
+        for states in self.states_of.values():
+            states.clear()

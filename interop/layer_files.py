@@ -6,12 +6,16 @@
   file holds each distinct tensor of the layer once (parameters and buffers, persistent or not), under its
   ``state_dict`` name; tied tensors are listed as aliases in the header and are tied again on loading. Files are
   written under a temporary name and renamed into place. A released layer's tensors are meta tensors (no storage).
+- :class:`LayerFolder`: the folder of a run's layer files; :func:`check_not_shared`: no tensor of a layer that is
+  to be released belongs elsewhere too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -159,3 +163,56 @@ def reload_all(model: nn.Module, offload_dir, device="cpu") -> None:
     for i, layer in enumerate(models.find_decoder_layers(model)[1]):
         if is_released(layer):
             read_layer(layer, layer_file(offload_dir, i), device)
+
+
+def check_not_shared(model, layers) -> None:
+    """Disk offload releases a layer's tensors: none may also belong to another layer or to the rest of the model."""
+    owner: dict = {}
+    for i, layer in enumerate(layers):
+        for name, _, _, _, t in tensor_slots(layer):
+            if owner.setdefault(id(t), (i, name))[0] != i:
+                raise ValueError(f"offload='disk': {name} of decoder layer {i} is the same tensor as "
+                                 f"{owner[id(t)][1]} of layer {owner[id(t)][0]}; a layer file cannot hold it "
+                                 f"(use offload='cpu')")
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for name, module, _, _, t in tensor_slots(model):
+        got = owner.get(id(t))
+        if got is not None and id(module) not in inside:
+            raise ValueError(f"offload='disk': {name} is the same tensor as {got[1]} of decoder layer {got[0]}; "
+                             f"releasing the layer would release it too (use offload='cpu')")
+
+
+# -- the folder of a run's layer files --------------------------------------------------------------------------
+class LayerFolder:
+    """The folder of the layer files of a disk-offloaded run: made (or a temporary one) when opened, its files
+    removed at the end unless kept; ``written`` holds the layers whose file this run wrote."""
+
+    def __init__(self, directory, keep: bool):
+        self.dir, self.keep = directory, keep
+        self.opened = self._made = self._temp = False
+        self.written: set = set()
+
+    def open(self) -> None:
+        """Makes the folder (a temporary one when ``directory`` is None)."""
+        if self.dir is None:
+            self.dir, self._temp = tempfile.mkdtemp(prefix="jgptq-offload-"), True
+        else:
+            self._made = not Path(self.dir).exists()
+            Path(self.dir).mkdir(parents=True, exist_ok=True)
+        self.opened = True
+
+    def file(self, i: int) -> Path:
+        """The file of decoder layer ``i``."""
+        return layer_file(self.dir, i)
+
+    def remove(self, count: int) -> None:
+        """Removes the files of layers ``0..count-1``, and the folder if this run made it and it is empty."""
+        for i in range(count):
+            self.file(i).unlink(missing_ok=True)
+        if self._temp:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self._made:
+            try:
+                Path(self.dir).rmdir()
+            except OSError:  # something else was put there: it stays
+                pass

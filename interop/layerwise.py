@@ -55,6 +55,7 @@ from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from interop.stores import Stores
 from jgptq import plan as plan_mod
+from jgptq import statistics
 from jgptq.config import PipelineConfig
 
 try:
@@ -258,8 +259,8 @@ def _warm_up(run: _Run, target):
 def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list):
     """Runs the float layer on every batch with the capture attached; returns the filled Collector."""
     target, cfg = run.targets[i], run.cfg
-    collector = capture.Collector(target.linears, target.experts, all_experts=cfg.moe.calibration == "all_experts",
-                                  input_dtype=cfg.hessian_dtype)
+    collector = capture.Collector(target.linears, target.experts, statistics.calibration(
+        cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
     t0 = time.perf_counter()
     if target.linears or target.experts:
         with collector.attach():

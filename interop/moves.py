@@ -11,6 +11,9 @@ asks for the next layer while it processes the current one, and hands a finished
   work is done, never half-written.
 - :meth:`Moves.wait` blocks until a move has finished (its copies included) and raises its error, if any. Memory a
   move allocates is complete when ``wait`` returns; the caller's stream may use it without further sync.
+
+:class:`Evacuation` moves the layers that start on the device off it, from the last one back, while the pipeline
+works from the first one on; a layer the pipeline claims stays.
 """
 
 from __future__ import annotations
@@ -186,3 +189,58 @@ class Staging:
             return self.to_host(t) if device.type == "cpu" else self.to_device(t)
 
         module._apply(fn)
+
+
+class Evacuation:
+    """Layers that start on the device leave it one by one on a worker, from the last one back, beside the work;
+    the layers the pipeline claims (processed now or next) are left where they are.
+
+    Args:
+      device: the run device.
+      layers: indices of the layers to evacuate.
+      leave: ``leave(j)`` moves layer ``j`` off the device (called on the worker).
+    """
+
+    def __init__(self, device: torch.device, layers, leave: Callable[[int], None]):
+        self._moves = Moves(device, 1)
+        self._lock = threading.Lock()
+        self._claimed = -1                  # layers up to this one stay
+        self._leave = leave
+        for j in sorted(layers, reverse=True):
+            self._moves.submit(j, lambda j=j: self._evacuate(j), after_current=True)
+
+    def _evacuate(self, j: int) -> bool:
+        """Moves layer ``j`` off the device unless it was claimed; returns whether it moved."""
+        with self._lock:
+            if j <= self._claimed:
+                return False
+        self._leave(j)
+        return True
+
+    def claim(self, i: int, booked: set) -> None:
+        """Stops the evacuation of layers up to ``i + 1``: a move not started is dropped (it would wait behind the
+        layers queued before it), one under way is waited for, and if it moved its layer, the layer leaves
+        ``booked`` (the layers on the device). Raises the error of a move waited for."""
+        with self._lock:
+            self._claimed = max(self._claimed, i + 1)
+        for j in (i, i + 1):
+            if self._moves.pending(j) and not self._moves.cancel(j) and self._moves.wait(j):
+                booked.discard(j)
+
+    def unbook(self, booked: set) -> None:
+        """Removes from ``booked`` the layers whose evacuation has ended with a move; raises the error of an ended
+        move (the layers queued before it are unbooked first)."""
+        for j in [j for j in self._moves.keys() if self._moves.done(j)]:
+            if self._moves.wait(j):
+                booked.discard(j)
+
+    def end(self) -> tuple[list, dict]:
+        """Drops the evacuations not yet started, waits for the others and stops the worker; returns the layers
+        that left and the errors by layer (raising nothing)."""
+        with self._lock:
+            self._claimed = float("inf")
+        try:
+            moved, errors = self._moves.wait_each()
+        finally:
+            self._moves.close()
+        return [j for j, went in moved.items() if went], errors

@@ -1,4 +1,4 @@
-"""Where decoder layers live during a layerwise run, what one layer needs on the device, and layer files.
+"""Where decoder layers live during a layerwise run and what one layer needs on the device: the moves.
 
 Modes (``PipelineConfig.offload``):
 
@@ -20,17 +20,17 @@ Before the run, the layers are moved to host memory or written to their files by
 ``"cpu"``, moves ahead and no ``device_budget``, layers that start on the device leave it instead from the last one
 back while the run works (the device is as full at the start as it was given).
 
-Layer files and what a layer holds: :mod:`interop.layer_files` (``load_layer`` and ``reload_all`` are importable
-from here too).
+Layer files and what a layer holds: :mod:`interop.layer_files` (``load_layer`` and ``reload_all`` are here too).
 
 Device budget (``PipelineConfig.device_budget``): before any work, each layer's need on the device is estimated
-(:class:`LayerNeed`: its parameters, the calibration activations of a layer's input and output, the Hessian
+(:func:`layer_need`: its parameters, the calibration activations of a layer's input and output, the Hessian
 statistics of its targets, the solver's results and working set) and added to what stays on the device (tensors
-outside the layers; with ``"none"``, the layers that start there). Over the budget, the run stops with
-:class:`DeviceBudgetError` before anything is written. During the run the pipeline books every layer it places on
-the device; the peak, the measured activation and Hessian bytes, the peak of parameter bytes in host memory and
-(on CUDA) ``torch.cuda.max_memory_allocated`` go to ``report.memory``. Transient tensors of the forward (attention
-scores, expert intermediates) are not estimated: leave headroom.
+outside the layers; with ``"none"``, the layers that start there). The arithmetic and the decisions on it are
+:mod:`interop.budget` (plain numbers); :class:`Placement` measures the model and does the moves. Over the budget,
+the run stops with :class:`DeviceBudgetError` before anything is written. During the run the pipeline books every
+layer it places on the device; the peak, the measured activation and Hessian bytes, the peak of parameter bytes in
+host memory and (on CUDA) ``torch.cuda.max_memory_allocated`` go to ``report.memory``. Transient tensors of the
+forward (attention scores, expert intermediates) are not estimated: leave headroom.
 """
 
 from __future__ import annotations
@@ -38,20 +38,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from interop.layer_files import (  # noqa: F401 - load_layer, reload_all: public here too, as documented
-    host_bytes, is_released, layer_file, load_layer, nbytes, read_layer, release_layer, reload_all, tensor_slots,
-    unique_tensors, write_layer)
-from interop.moves import Moves, Staging
-from interop.report import format_bytes
+from interop.budget import (  # noqa: F401 - DeviceBudgetError: public here too
+    Budget, DeviceBudgetError, LayerNeed, estimate_need)
+from interop.layer_files import (  # noqa: F401 - layer_file, load_layer, reload_all: public here too
+    LayerFolder, check_not_shared, host_bytes, is_released, layer_file, load_layer, nbytes, read_layer, release_layer,
+    reload_all, unique_tensors, write_layer)
+from interop.moves import Evacuation, Moves, Staging
 
 PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places before the run
 # moves between a CUDA device and host memory go through pinned buffers (see interop.moves.Staging); the
@@ -59,52 +57,12 @@ PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places b
 STAGED_MOVES = os.environ.get("JGPTQ_STAGED_MOVES", "1") != "0"
 
 
-class DeviceBudgetError(ValueError):
-    """The run would place more bytes on the device than ``device_budget`` allows."""
-
-
-# -- what a layer needs on the device --------------------------------------------------------------------------
-@dataclasses.dataclass
-class LayerNeed:
-    """Estimated device bytes of processing one decoder layer.
-
-    Attributes:
-      parameters: the layer's parameters and buffers.
-      activations: the calibration activations (the layer's inputs and outputs of every batch, coexisting during
-        the replay) and the captured per-layer arguments.
-      hessians: float32 Hessian sums of its targets (one per linear module: an upper bound, since modules that
-        share an input share one; one per expert and projection; one gate/up for ``all_experts``).
-      solve: the solver's float32 results for every target (kept until written back) and the working set of its
-        largest bucket (Hessian factor and float32 weights).
-    """
-
-    parameters: int
-    activations: int
-    hessians: int
-    solve: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.activations + self.hessians + self.solve
-
-
 def layer_need(layer, target, activations: int, all_experts: bool) -> LayerNeed:
-    """The :class:`LayerNeed` of ``layer`` with targets ``target`` (:func:`interop.models.layer_targets`) and
-    ``activations`` bytes of calibration activations."""
-    hess, results, buckets = 0, 0, {}
-    for m in target.linears.values():
-        r, c = m.out_features, m.in_features
-        hess += c * c
-        results += r * c
-        buckets[(False, r, c)] = buckets.get((False, r, c), 0) + 1
-    for _, lay in target.experts.values():
-        e, h, inter = lay.num_experts, lay.hidden, lay.inter
-        hess += h * h * (1 if all_experts else e) + e * inter * inter
-        results += e * (lay.up_rows * h + h * inter)
-        for key in ((True, lay.up_rows, h), (True, h, inter)):
-            buckets[key] = buckets.get(key, 0) + e
-    work = max((n * c * (c + r) for (_, r, c), n in buckets.items()), default=0)
-    return LayerNeed(nbytes(unique_tensors(layer).values()), int(activations), 4 * hess, 4 * (results + work))
+    """The :class:`interop.budget.LayerNeed` of ``layer`` with targets ``target``
+    (:func:`interop.models.layer_targets`) and ``activations`` bytes of calibration activations
+    (:func:`interop.budget.estimate_need` on the layer's bytes and its targets' shapes)."""
+    shapes = [(m.count, m.rows, m.cols, m.kind) for m in target.matrices()]
+    return estimate_need(nbytes(unique_tensors(layer).values()), activations, shapes, all_experts)
 
 
 def hidden_bytes(model, batch_list) -> int:
@@ -128,11 +86,8 @@ def captured_bytes(hidden, layer_inputs, device) -> int:
         if isinstance(obj, torch.Tensor):
             if _same_device(obj.device, device):
                 seen[id(obj)] = obj
-        elif isinstance(obj, (tuple, list)):
-            for o in obj:
-                walk(o)
-        elif isinstance(obj, dict):
-            for o in obj.values():
+        elif isinstance(obj, (tuple, list, dict)):
+            for o in obj.values() if isinstance(obj, dict) else obj:
                 walk(o)
 
     walk(layer_inputs)
@@ -155,23 +110,6 @@ def run_device(device, first_layer) -> torch.device:
     return dev
 
 
-def _check_not_shared(model, layers) -> None:
-    """Disk offload releases a layer's tensors: none may also belong to another layer or to the rest of the model."""
-    owner: dict = {}
-    for i, layer in enumerate(layers):
-        for name, _, _, _, t in tensor_slots(layer):
-            if owner.setdefault(id(t), (i, name))[0] != i:
-                raise ValueError(f"offload='disk': {name} of decoder layer {i} is the same tensor as "
-                                 f"{owner[id(t)][1]} of layer {owner[id(t)][0]}; a layer file cannot hold it "
-                                 f"(use offload='cpu')")
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    for name, module, _, _, t in tensor_slots(model):
-        got = owner.get(id(t))
-        if got is not None and id(module) not in inside:
-            raise ValueError(f"offload='disk': {name} is the same tensor as {got[1]} of decoder layer {got[0]}; "
-                             f"releasing the layer would release it too (use offload='cpu')")
-
-
 def moves_ahead_on(device: torch.device) -> bool:
     """Whether offloaded layer moves run beside the work by default on ``device``: on CUDA devices, where the copies
     and the device's work overlap (on the CPU both take the same cores)."""
@@ -181,7 +119,8 @@ def moves_ahead_on(device: torch.device) -> bool:
 # -- the pipeline's placement of layers -----------------------------------------------------------------------
 class Placement:
     """Moves the decoder layers of a run between their places per the offload mode, and books the bytes of
-    parameters it places on the device (see the module docstring).
+    parameters it places on the device (see the module docstring). The numbers and the decisions on them are its
+    :class:`interop.budget.Budget` (``budget``); this class measures the model and does the moves.
 
     Args:
       model: the transformers model; layers: its decoder layers (``ModuleList``).
@@ -193,15 +132,13 @@ class Placement:
         Default: on CUDA devices, when offloading and no tensor belongs to two layers. A ``device_budget`` that the
         two extra layers would exceed turns it off.
     Raises:
-      ValueError: a layer is already released (on meta).
+      ValueError: a layer is already released (on meta); with disk offload, a tensor shared by two layers or by a
+        layer and the rest of the model.
     """
 
     def __init__(self, model, layers, cfg, device: torch.device, ahead=None):
-        self.model, self.layers, self.device = model, layers, device
-        self.mode, self.budget = cfg.offload, cfg.device_budget
-        self.reload, self.keep = cfg.reload, cfg.keep_offload_files
-        self.dir, self._made_dir, self._temp, self._prepared = cfg.offload_dir, False, False, False
-        self._written: set = set()                   # layers whose file this run wrote
+        self.model, self.layers, self.device, self.mode, self.reload = model, layers, device, cfg.offload, cfg.reload
+        self.folder = LayerFolder(cfg.offload_dir, cfg.keep_offload_files)
         for i, layer in enumerate(layers):
             if is_released(layer):
                 raise ValueError(f"decoder layer {i} is released (its tensors are on the meta device); load it "
@@ -210,80 +147,50 @@ class Placement:
         for layer in layers:
             in_layers.update(unique_tensors(layer))
         if self.mode == "disk":
-            _check_not_shared(model, layers)
+            check_not_shared(model, layers)
         self.homes = [run_device(None, layer) for layer in layers]
-        self.layer_bytes = [nbytes(unique_tensors(layer).values()) for layer in layers]
         other = [t for k, t in unique_tensors(model).items() if k not in in_layers]
-        self.other_on_device = nbytes(t for t in other if _same_device(t.device, device))
-        self.other_bytes = nbytes(other)
-        self.on_device = set()                       # layers booked on the device
-        if self.mode == "none":
-            self.on_device = {i for i, h in enumerate(self.homes) if _same_device(h, device)}
+        resident = {i for i, h in enumerate(self.homes) if _same_device(h, device)} if self.mode == "none" else set()
+        self.budget = Budget(self.mode, cfg.device_budget, tuple(nbytes(unique_tensors(la).values()) for la in layers),
+                             nbytes(t for t in other if _same_device(t.device, device)), frozenset(resident),
+                             str(device))
+        self.on_device = set(resident)               # layers booked on the device
         self.peak = self.peak_host = 0
         self.needs: list = []
         # moves run ahead (next layer in, finished layer out, beside the work) unless layers share tensors
         shared = len(in_layers) != sum(len(unique_tensors(la)) for la in layers)
-        self.ahead = self.mode != "none" and not shared and (moves_ahead_on(device) if ahead is None else ahead)
-        self._moves = self._evac = None
-        self._lock, self._local = threading.Lock(), threading.local()
-        self._claimed = -1                           # the evacuation leaves layers up to this one alone
+        self.ahead = self.budget.moves_ahead(shared, moves_ahead_on(device) if ahead is None else ahead)
+        self._moves = self._evac = None              # moves ahead; the evacuation beside the work (cpu)
+        self._local = threading.local()              # per thread: pinned staging buffers
         self._early: set = set()                     # layers brought ahead and not yet fetched
         self._leaving: set = set()                   # layers whose move out is pending
-        self.memory = {"offload": self.mode, "device": str(device), "budget": self.budget,
-                       "other_on_device": self.other_on_device, "other_bytes": self.other_bytes,
-                       "largest_layer": max(self.layer_bytes, default=0), "moves_ahead": self.ahead}
+        self.memory = {"offload": self.mode, "device": str(device), "budget": self.budget.limit,
+                       "other_on_device": self.budget.other_on_device, "other_bytes": nbytes(other),
+                       "largest_layer": max(self.budget.layer_bytes, default=0), "moves_ahead": self.ahead}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
     @property
     def moves(self) -> bool:
         """Whether layers are moved by the offload mode (their moves are timed as the ``offload`` stage)."""
-        return self.mode != "none"
+        return self.budget.offloaded
 
     # -- the budget --------------------------------------------------------------------------------------------
-    def _estimate(self, i: int, offloaded: bool, ahead: bool = False) -> int:
-        fixed = self.other_on_device
-        if not offloaded:
-            fixed += sum(self.layer_bytes[j] for j in self.on_device if j != i)
-        if ahead:  # the layer before (moving out) and the layer after (moving in)
-            fixed += sum(self.layer_bytes[j] for j in (i - 1, i + 1) if 0 <= j < len(self.layer_bytes))
-        return fixed + self.needs[i].total
-
     def check(self, needs: list) -> None:
-        """Records each layer's :class:`LayerNeed` and checks the largest total against the budget.
+        """Records each layer's :class:`LayerNeed` and checks the largest total against the budget
+        (:meth:`interop.budget.Budget.assess`); moves ahead without room in the budget turn in line.
 
         Raises:
           DeviceBudgetError: over the budget (with the mode that would fit, if one does).
         """
         self.needs = list(needs)
-        offloaded = self.mode != "none"
-        if self.ahead and self.budget is not None and \
-                max(self._estimate(i, offloaded, True) for i in range(len(needs))) > self.budget:
-            self.ahead = self.memory["moves_ahead"] = False  # moves in line keep one layer on the device
-        worst = max(range(len(needs)), key=lambda i: self._estimate(i, offloaded, self.ahead))
-        need, total = needs[worst], self._estimate(worst, offloaded, self.ahead)
-        self.memory["need"] = {"layer": worst, **dataclasses.asdict(need), "other_on_device": total - need.total,
-                               "total": total}
-        if self.budget is None or total <= self.budget:
-            return
-        b, dev = format_bytes(self.budget), self.device
-        parts = (f"parameters {format_bytes(need.parameters)}, activations {format_bytes(need.activations)}, "
-                 f"Hessians {format_bytes(need.hessians)}, solve {format_bytes(need.solve)}")
-        if not offloaded and self.on_device and max(self._estimate(i, True) for i in range(len(needs))) <= \
-                self.budget:
-            kept = sum(self.layer_bytes[j] for j in self.on_device)
-            raise DeviceBudgetError(
-                f"offload='none' keeps {len(self.on_device)} decoder layers ({format_bytes(kept)}) on {dev}; with "
-                f"{format_bytes(self.other_on_device)} of other tensors there and layer {worst}'s work the run needs "
-                f"about {format_bytes(total)}, over device_budget {b}. Use offload='cpu' (layers in host memory, "
-                f"one at a time on the device) or offload='disk' (layers in files, for models larger than host "
-                f"memory); command line: --offload cpu|disk")
-        raise DeviceBudgetError(
-            f"decoder layer {worst} alone needs about {format_bytes(need.total)} on {dev} ({parts}), plus "
-            f"{format_bytes(total - need.total)} of tensors that stay there: {format_bytes(total)}, over "
-            f"device_budget {b}. Offloading other layers cannot lower this; fewer calibration tokens (samples x "
-            f"length) shrink the activations, moving the embeddings and head off the device frees theirs, or "
-            f"raise the budget")
+        verdict = self.budget.assess(self.needs, self.ahead)
+        self.ahead = self.memory["moves_ahead"] = verdict.ahead
+        if self._moves is not None and not self.ahead:  # turned off after prepare (no move is queued yet)
+            self._moves, moves = None, self._moves
+            moves.close()
+        self.memory["need"] = verdict.record()
+        verdict.raise_if_over()
 
     def check_activations(self, measured: int) -> None:
         """Re-checks the budget with the activation bytes measured after the capture."""
@@ -299,8 +206,7 @@ class Placement:
         self.memory["hessians_measured"] = max(self.memory.get("hessians_measured", 0), int(size))
 
     def _book(self):
-        on = self.other_on_device + sum(self.layer_bytes[j] for j in self.on_device)
-        self.peak = max(self.peak, on)
+        self.peak = max(self.peak, self.budget.booked(self.on_device))
         self.peak_host = max(self.peak_host, host_bytes(self.model))
 
     # -- moves ---------------------------------------------------------------------------------------------------
@@ -312,25 +218,18 @@ class Placement:
         twice)."""
         t0 = time.perf_counter()
         if self.mode == "disk":
-            if self.dir is None:
-                self.dir, self._temp = tempfile.mkdtemp(prefix="jgptq-offload-"), True
-            else:
-                self._made_dir = not Path(self.dir).exists()
-                Path(self.dir).mkdir(parents=True, exist_ok=True)
-            self.memory["offload_dir"] = str(self.dir)
-            self._prepared = True
+            self.folder.open()
+            self.memory["offload_dir"] = str(self.folder.dir)
         eager = list(range(len(self.layers)))
-        if self.mode == "cpu" and self.ahead and self.budget is None and self.device.type != "cpu":
+        if self.budget.evacuates_beside(self.ahead, self.device.type == "cpu"):
             # layers already on the device leave it from the last one back, beside the work
             resident = [i for i, layer in enumerate(self.layers)
                         if any(_same_device(t.device, self.device) for t in unique_tensors(layer).values())]
             if resident:
-                self._evac = Moves(self.device, 1)
-                for j in reversed(resident):
-                    self._evac.submit(j, functools.partial(self._evacuate, j), after_current=True)
+                self._evac = Evacuation(self.device, resident, self._leave)
                 self.on_device |= set(resident)
                 eager = [i for i in eager if i not in resident]
-        if self.mode in ("cpu", "disk") and eager:
+        if self.moves and eager:
             moves = Moves(self.device, PREPARE_WORKERS)
             try:
                 for i in eager:
@@ -339,12 +238,11 @@ class Placement:
             finally:
                 moves.close()
             if self.mode == "disk":
-                self._written.update(done)
+                self.folder.written.update(done)
             if errors:
                 raise next(iter(errors.values()))
         if self.mode == "cpu":
             self.homes = [torch.device("cpu")] * len(self.layers)
-        self._prepared = True
         if self.ahead:
             self._moves = Moves(self.device, 1)
         self._book()
@@ -365,7 +263,7 @@ class Placement:
         """Places layer ``i`` on the device (a move: runs on a worker or in line)."""
         layer = self.layers[i]
         if self.mode == "disk":
-            read_layer(layer, layer_file(self.dir, i), self.device)
+            read_layer(layer, self.folder.file(i), self.device)
         else:
             self._move(layer, self.device)
 
@@ -373,49 +271,30 @@ class Placement:
         """Puts layer ``i`` in its place: host memory, or its file (then released)."""
         layer = self.layers[i]
         if self.mode == "disk":
-            write_layer(layer, layer_file(self.dir, i))
+            write_layer(layer, self.folder.file(i))
             release_layer(layer)
         elif self.mode == "none":
             layer.to(self.homes[i])
         else:
             self._move(layer, torch.device("cpu"))
 
-    def _evacuate(self, j: int) -> bool:
-        """Moves unprocessed layer ``j`` from the device to host memory unless the pipeline has claimed it (it is
-        processed next, or now); returns whether it moved. Runs on the evacuation worker."""
-        with self._lock:
-            if j <= self._claimed:
-                return False
-        self._leave(j)
-        return True
-
-    def _claim(self, i: int) -> None:
-        """Stops the evacuation of layers up to ``i + 1`` and waits for any under way."""
-        if self._evac is None:
-            return
-        with self._lock:
-            self._claimed = max(self._claimed, i + 1)
-        for j in (i, i + 1):  # dropped when not started (it would wait behind the layers queued before it)
-            if self._evac.pending(j) and not self._evac.cancel(j) and self._evac.wait(j):
-                self.on_device.discard(j)
-
-    def _settle(self) -> None:
-        """Unbooks the layers whose move out (or evacuation) has ended."""
-        for i in [j for j in self._leaving if self._moves.done(("out", j))]:
-            self._moves.wait(("out", i))
-            self._leaving.discard(i)
-            self.on_device.discard(i)
+    def _settle(self, i: int) -> None:
+        """Claims layers ``i`` and ``i + 1`` from the evacuation and unbooks the layers whose move out (or
+        evacuation) has ended."""
         if self._evac is not None:
-            for j in [j for j in self._evac.keys() if self._evac.done(j)]:
-                if self._evac.wait(j):
-                    self.on_device.discard(j)
+            self._evac.claim(i, self.on_device)
+        for j in [j for j in self._leaving if self._moves.done(("out", j))]:
+            self._moves.wait(("out", j))
+            self._leaving.discard(j)
+            self.on_device.discard(j)
+        if self._evac is not None:
+            self._evac.unbook(self.on_device)
 
     def fetch(self, i: int) -> nn.Module:
         """Places layer ``i`` on the device for processing and returns it; with moves ahead, starts bringing
         layer ``i + 1``."""
         if self._moves is not None:
-            self._claim(i)
-            self._settle()
+            self._settle(i)
             if i in self._early:
                 self._early.discard(i)
                 self._moves.wait(("in", i))
@@ -439,11 +318,11 @@ class Placement:
             self._leaving.add(i)
             self._moves.submit(("out", i), functools.partial(self._leave, i), after_current=True)
             return
-        if self.mode != "none":
+        if self.moves:
             self._leave(i)
         elif not _same_device(self.homes[i], self.device):
             self.layers[i].to(self.homes[i])
-        if self.mode != "none" or not _same_device(self.homes[i], self.device):
+        if self.moves or not _same_device(self.homes[i], self.device):
             self.on_device.discard(i)
 
     def finish(self, failed: bool) -> None:
@@ -456,13 +335,8 @@ class Placement:
             errors: dict = {}
             if self._evac is not None:
                 evac, self._evac = self._evac, None
-                with self._lock:
-                    self._claimed = len(self.layers)  # the evacuations not yet started are dropped
-                try:
-                    moved, errors = evac.wait_each()
-                finally:
-                    evac.close()
-                self.on_device -= {j for j, went in moved.items() if went}
+                moved, errors = evac.end()
+                self.on_device.difference_update(moved)
             if self._moves is not None:
                 moves, self._moves = self._moves, None
                 try:
@@ -476,11 +350,11 @@ class Placement:
                 self.on_device -= self._early | self._leaving
                 self._early.clear()
                 self._leaving.clear()
-            if self.mode == "disk" and self._prepared and self.reload:
-                for i in sorted(self._written):
-                    read_layer(self.layers[i], layer_file(self.dir, i), "cpu")
-                if not self.keep:
-                    self._remove_files()
+            if self.mode == "disk" and self.folder.opened and self.reload:
+                for i in sorted(self.folder.written):
+                    read_layer(self.layers[i], self.folder.file(i), "cpu")
+                if not self.folder.keep:
+                    self.folder.remove(len(self.layers))
             if errors:  # raised once the layers are in place
                 raise next(iter(errors.values()))
         finally:
@@ -491,18 +365,7 @@ class Placement:
 
     def failure_note(self) -> str:
         """What a failed run leaves where (for the error), or ``""`` when :meth:`finish` restores the model."""
-        if self.mode != "disk" or not self._prepared or self.reload:
+        if self.mode != "disk" or not self.folder.opened or self.reload:
             return ""
-        return (f"the model's decoder layers are released (meta device); the files in {self.dir} hold them: "
-                f"interop.offload.reload_all(model, {str(self.dir)!r}) loads them")
-
-    def _remove_files(self) -> None:
-        for i in range(len(self.layers)):
-            layer_file(self.dir, i).unlink(missing_ok=True)
-        if self._temp:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        elif self._made_dir:
-            try:
-                Path(self.dir).rmdir()
-            except OSError:  # something else was put there: it stays
-                pass
+        return (f"the model's decoder layers are released (meta device); the files in {self.folder.dir} hold them: "
+                f"interop.offload.reload_all(model, {str(self.folder.dir)!r}) loads them")

@@ -200,6 +200,48 @@ def accumulate_group(state: HessianState, sums, index, x, mask, *, input_dtype: 
     return _accumulate_group(state, sums, jnp.asarray(index), jnp.asarray(x), jnp.asarray(mask), input_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,),
+                   compiler_options=xla_options.gemm_options())
+def _accumulate_slots(state: HessianState, index, x, mask, input_dtype: str) -> HessianState:
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    if input_dtype == "bfloat16":
+        xb = x.astype(jnp.bfloat16)
+        h = jax.lax.dot_general(xb, xb, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    else:
+        xf = x.astype(jnp.float32)
+        h = jax.lax.dot_general(xf, xf, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)
+    counts = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    return HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts))
+
+
+def accumulate_slots(state: HessianState, index, x, mask, *, input_dtype: str = "float32",
+                     name: str = "activations") -> HessianState:
+    """Adds padded rows of a group of experts to a stacked state in one call: :func:`accumulate_group` without
+    the sums of squares (the same Hessian sums and counts, bit for bit).
+
+    Args:
+      state: stacked state (E, C, C) / (E,) (:func:`init_stacked`), donated.
+      index: int (G,): the expert each slot of the group adds to (a slot whose mask is all False adds nothing).
+      x: float (G, P, C): P rows per slot; mask: bool (G, P), True for real rows.
+    Returns:
+      The updated state.
+    """
+    _check_batch(state, x, mask, input_dtype, name)
+    index = check_group(state.hessian_sum.shape[0], index, x, name)
+    return _accumulate_slots(state, jnp.asarray(index), jnp.asarray(x), jnp.asarray(mask), input_dtype)
+
+
+def check_group(entries: int, index, x, name: str = "activations") -> np.ndarray:
+    """``index`` as int32 (G,) when it names one of ``entries`` experts for each of the G slots of ``x`` (G, P, C);
+    raises ValueError otherwise."""
+    index = np.asarray(index, np.int32)
+    if x.ndim != 3 or index.shape != (x.shape[0],) or index.min() < 0 or index.max() >= entries:
+        raise ValueError(f"{name}: a group of shape {tuple(x.shape)} for experts {index.tolist()} does not fit a "
+                         f"stack of {entries} experts")
+    return index
+
+
 def from_activations(x, mask=None, *, input_dtype: str = "float32") -> HessianState:
     """A state holding exactly the tokens of ``x`` (..., C): a convenience for tests and one-shot use."""
     return accumulate(init(x.shape[-1]), x, mask, input_dtype=input_dtype)

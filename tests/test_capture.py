@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from interop import capture, models
+from jgptq import statistics
 from tests.tiny_models import build, token_ids
 
 
@@ -32,7 +33,7 @@ def test_capture_implementation_computes_the_eager_output(family, grouped, monke
     torch.testing.assert_close(plain, eager, rtol=0, atol=2e-6)
     experts = all_experts_modules(model)
     routed = logits_with(model, ids, capture.IMPLEMENTATION, capture.Collector({}, experts))
-    every = logits_with(model, ids, capture.IMPLEMENTATION, capture.Collector({}, experts, all_experts=True))
+    every = logits_with(model, ids, capture.IMPLEMENTATION, capture.Collector({}, experts, statistics.calibration(all_experts=True)))
     assert torch.equal(routed, plain) and torch.equal(every, plain)  # all-experts keeps the routed output exactly
 
 

@@ -12,7 +12,7 @@ import torch
 
 import jgptq
 from interop import layerwise, offload
-from interop.moves import Moves
+from interop.moves import Evacuation, Moves
 from tests.cli import test_resume as resume_tests
 from tests.test_offload import CALIB, LAYERS, OPTS, own_bytes, six_layers
 
@@ -113,3 +113,78 @@ def test_moves_run_in_order_on_one_worker_and_raise_on_wait():
     moves.wait_all()
     assert "queued" not in order and moves.keys() == []
     moves.close()
+
+
+def test_measured_activations_without_room_for_the_neighbours_turn_prepared_moves_in_line():
+    from jgptq.config import PipelineConfig
+    from tests.test_offload import Block
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 8)
+            self.layers = torch.nn.ModuleList([Block() for _ in range(3)])
+
+    model = Toy()
+    layer, other = own_bytes(model.layers[0]), own_bytes(model.embed)
+    cfg = PipelineConfig(offload="cpu", device_budget=other + 3 * layer + 100)
+    place = offload.Placement(model, model.layers, cfg, torch.device("cpu"), ahead=True)
+    place.check([offload.LayerNeed(layer, 100, 0, 0)] * 3)         # the estimate leaves room for the neighbours
+    assert place.memory["moves_ahead"] is True
+    place.prepare()
+    place.check_activations(100 + layer)                             # the measured ones do not
+    assert place.memory["moves_ahead"] is False and place.memory["need"]["total"] == other + 2 * layer + 100
+    for i in range(3):                                               # one layer on the device at a time
+        place.fetch(i)
+        place.put_back(i)
+    place.finish(failed=False)
+    assert place.memory["peak_parameters_on_device"] == other + layer
+
+
+def test_layers_on_the_device_leave_it_beside_the_work_from_the_last_one_back(ahead, monkeypatch):
+    # on CUDA only by default (the CPU is host memory itself): here the CPU plays a device the layers start on
+    monkeypatch.setattr(offload.Budget, "evacuates_beside", lambda self, ahead, device_is_host: ahead)
+    tried = []
+    evacuate = Evacuation._evacuate
+    monkeypatch.setattr(Evacuation, "_evacuate", lambda self, j: tried.append(j) or evacuate(self, j))
+    float_model, done, full = six_layers()
+    model = copy.deepcopy(float_model)
+    result = jgptq.quantize_moe(model, CALIB, offload="cpu", **OPTS)
+    resume_tests.assert_same(done, full, model, result)
+    assert tried[0] == LAYERS - 1 and tried == sorted(tried, reverse=True) and set(tried) <= set(range(LAYERS))
+    mem = result.report.memory
+    assert mem["moves_ahead"] is True and mem["peak_parameters_on_device"] == own_bytes(float_model)
+
+
+def test_evacuation_runs_from_the_last_layer_back_and_leaves_claimed_ones():
+    left, started, release = [], threading.Event(), threading.Event()
+
+    def leave(j):
+        if j == 3:
+            started.set()
+            release.wait(5)
+        left.append(j)
+
+    evac = Evacuation(torch.device("cpu"), [0, 1, 2, 3], leave)
+    started.wait(5)                              # layer 3 under way; 2, 1, 0 queued behind it
+    booked = {0, 1, 2, 3}
+    evac.claim(1, booked)                        # 1 and 2 not started: dropped, still on the device
+    assert booked == {0, 1, 2, 3}
+    release.set()
+    moved, errors = evac.end()                   # 0 ran after the claim: it stays
+    assert moved == [3] and errors == {} and left == [3]
+    reached = threading.Event()
+
+    def fail_on_one(j):
+        if j == 1:
+            raise OSError("copy failed")
+        left.append(j)
+        if j == 0:
+            reached.set()
+
+    evac = Evacuation(torch.device("cpu"), [0, 1, 2], fail_on_one)
+    reached.wait(5)                              # one worker, from the last layer back: 2 and 1 have ended
+    with pytest.raises(OSError, match="copy failed"):  # 2 left and is unbooked first; 1 failed
+        evac.unbook(booked)
+    assert booked == {0, 1, 3}
+    assert evac.end() == ([0], {}) and left == [3, 2, 0]

@@ -1,0 +1,148 @@
+"""Statistics of a layer's inputs as pairs of pure functions, chained by a capture (the optax way).
+
+A :class:`Statistic` is ``init(columns, entries, device) -> state``, ``update(state, x, mask, index) -> state`` and
+``finalize(state) -> result``. A capture (the torch one, :class:`interop.capture.Collector`) holds a chain of named
+statistics and applies each to every input it sees; it knows nothing of what they compute.
+
+- :func:`hessian_sum`: GPTQ's float32 sum of X^T X and token count (:mod:`jgptq.hessian`); finalized to
+  ``(2 / N * sum x x^T, token counts)``.
+- :func:`importance`: llama.cpp's importance statistic (:mod:`jgptq.imatrix`): per input column the float32 sum of
+  squared inputs, and the token count; finalized to an :class:`jgptq.imatrix.ImatrixEntry`. It sees the tokens a
+  weight saw: for experts, the routed ones only.
+- :func:`calibration`: the chain of the layerwise pipeline, ``{"hessian": ..., "imatrix": ...}``.
+
+Forms of ``update`` (one state per weight input, or a stack of ``entries`` states, one per expert):
+
+- ``index=None``: ``x`` (N, C) rows and ``mask`` (N,) of a weight with one state (``entries=None``);
+- ``index=e`` (an int): the rows of expert ``e`` of a stacked state;
+- ``index`` (G,) ints: a group of experts at once, ``x`` (G, P, C) and ``mask`` (G, P), P rows per slot (a slot
+  whose mask is all False adds nothing, so padding slots may name any expert).
+
+Rows where ``mask`` is False are neither summed nor counted. Updates donate the state (do not reuse the old one).
+Activations are not checked for NaN/Inf here (the capture checks them upstream).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgptq import hessian
+from jgptq.imatrix import ImatrixEntry
+
+HESSIAN, IMATRIX = "hessian", "imatrix"
+
+
+class Statistic(NamedTuple):
+    """A statistic of a weight's inputs.
+
+    Attributes:
+      init: ``(columns, entries=None, device=None) -> state``: an empty state for C = ``columns`` input features;
+        ``entries`` E stacks one state per expert (None: one state).
+      update: ``(state, x, mask, index=None, name="activations") -> state`` (see the module docstring for the
+        forms of ``index``; ``name`` is what the rows are, for errors).
+      finalize: ``(state) -> result``.
+      all_experts: for experts, the statistic sees every token (the ``all_experts`` calibration), not only the
+        routed ones; the gate/up inputs are then the same for every expert and share one state.
+    """
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
+    finalize: Callable[[Any], Any]
+    all_experts: bool = False
+
+
+# -- GPTQ's Hessian -----------------------------------------------------------------------------------------------
+def hessian_sum(input_dtype: str = "float32", all_experts: bool = False) -> Statistic:
+    """The Hessian statistic: state :class:`jgptq.hessian.HessianState` (float32 (C, C) or (E, C, C) sums of
+    x x^T, int32 token counts).
+
+    Args:
+      input_dtype: ``"float32"`` (float32 products at HIGHEST precision) or ``"bfloat16"`` (bf16 operands, float32
+        accumulation).
+      all_experts: experts' Hessians see every token (see :class:`Statistic`).
+    Returns:
+      A :class:`Statistic` whose ``finalize`` gives ``(2 / N * sum x x^T`` float32 (C, C) or (E, C, C), token
+      counts as an int or a list of E ints).
+    """
+    if input_dtype not in hessian.INPUT_DTYPES:
+        raise ValueError(f"input_dtype must be one of {hessian.INPUT_DTYPES}, got {input_dtype!r}")
+
+    def init(columns: int, entries=None, device=None):
+        return hessian.init(columns, device) if entries is None else hessian.init_stacked(entries, columns, device)
+
+    def update(state, x, mask, index=None, name: str = "activations"):
+        if index is None:
+            return hessian.accumulate(state, x, mask, input_dtype=input_dtype, check_finite=False, name=name)
+        if np.ndim(index) == 0:
+            return hessian.accumulate_at(state, index, x, mask, input_dtype=input_dtype, check_finite=False,
+                                         name=name)
+        return hessian.accumulate_slots(state, index, x, mask, input_dtype=input_dtype, name=name)
+
+    def finalize(state):
+        return hessian.finalize(state), state.token_count.tolist()
+
+    return Statistic(init, update, finalize, all_experts)
+
+
+# -- llama.cpp's importance ---------------------------------------------------------------------------------------
+class SquaresState(NamedTuple):
+    """Per-column sums of squared inputs: float32 (E, C) ``sums`` and int32 (E,) ``token_count`` (E = 1 for a
+    weight with one state)."""
+
+    sums: jax.Array
+    token_count: jax.Array
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _squares_rows(state: SquaresState, index, x, mask) -> SquaresState:
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    keep = mask.reshape(-1)
+    sq = jnp.where(keep[:, None], jnp.square(x), 0.0)
+    return SquaresState(state.sums.at[index].add(jnp.sum(sq, axis=0)),
+                        state.token_count.at[index].add(jnp.sum(keep, dtype=jnp.int32)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _squares_slots(state: SquaresState, index, x, mask) -> SquaresState:
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
+    return SquaresState(state.sums.at[index].add(sq),
+                        state.token_count.at[index].add(jnp.sum(mask, axis=1, dtype=jnp.int32)))
+
+
+def importance() -> Statistic:
+    """The importance statistic of llama.cpp's imatrix: state :class:`SquaresState`; ``finalize`` gives an
+    :class:`jgptq.imatrix.ImatrixEntry` (float32 numpy (E, C) sums, float32 (E,) counts). It never sees every
+    token of an expert (``all_experts`` False): llama.cpp's statistic is over routed tokens."""
+
+    def init(columns: int, entries=None, device=None):
+        sums = jnp.zeros((entries or 1, columns), jnp.float32)
+        counts = jnp.zeros((entries or 1,), jnp.int32)
+        if device is not None:
+            sums, counts = jax.device_put(sums, device), jax.device_put(counts, device)
+        return SquaresState(sums, counts)
+
+    def update(state, x, mask, index=None, name: str = "activations"):
+        if x.shape[-1] != state.sums.shape[-1]:
+            raise ValueError(f"{name}: activations of shape {tuple(x.shape)} do not match sums of "
+                             f"{state.sums.shape[-1]} columns")
+        if index is None or np.ndim(index) == 0:
+            return _squares_rows(state, jnp.int32(index or 0), jnp.asarray(x), jnp.asarray(mask))
+        index = hessian.check_group(state.sums.shape[0], index, x, name)
+        return _squares_slots(state, jnp.asarray(index), jnp.asarray(x), jnp.asarray(mask))
+
+    def finalize(state):
+        return ImatrixEntry(np.asarray(state.sums, np.float32), np.asarray(state.token_count, np.float32))
+
+    return Statistic(init, update, finalize, False)
+
+
+def calibration(input_dtype: str = "float32", all_experts: bool = False) -> dict:
+    """The statistics of the layerwise pipeline, in the order the capture applies them: ``{"hessian":``
+    :func:`hessian_sum` ``(input_dtype, all_experts), "imatrix":`` :func:`importance` ``()}``."""
+    return {HESSIAN: hessian_sum(input_dtype, all_experts), IMATRIX: importance()}

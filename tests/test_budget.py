@@ -1,0 +1,118 @@
+"""The device budget in plain numbers (interop.budget): the estimated need of a layer from its shapes (closed forms
+worked by hand below), whether moves run beside the work, the worst layer and its record, and the exact messages of
+a run over the budget."""
+
+import pytest
+
+from interop.budget import Budget, DeviceBudgetError, LayerNeed, Verdict, estimate_need
+
+KB = 1000
+LAYER = 1000                                  # parameter bytes of each of three layers
+OTHER = 500                                   # bytes outside the layers on the device
+EVEN = LayerNeed(parameters=1000, activations=200, hessians=300, solve=500)        # total 2000
+
+
+def budget(mode="cpu", limit=None, resident=(), device="cuda:0"):
+    return Budget(mode, limit, (LAYER,) * 3, OTHER, frozenset(resident), device)
+
+
+def test_estimate_need_counts_hessians_results_and_the_largest_bucket():
+    # one linear 3 x 4: Hessian 4*4 = 16, results 3*4 = 12, bucket of one: 1 * 4 * (4 + 3) = 28
+    # experts: 2 experts, hidden 4, inter 2, gate/up fused (4 rows):
+    #   Hessians 2 * 4*4 (gate/up, one per expert) + 2 * 2*2 (down) = 40; all_experts: 4*4 + 8 = 24
+    #   results 2 * (4*4 + 4*2) = 48; buckets gate/up 2 * 4 * (4 + 4) = 64, down 2 * 2 * (2 + 4) = 24
+    # float32: Hessians 4 * (16 + 40) = 224, solve 4 * (12 + 48 + 64) = 496
+    need = estimate_need(100, 10, [(1, 3, 4, "linear"), (2, 4, 4, "expert_gate_up"), (2, 4, 2, "expert_down")], all_experts=False)
+    assert need == LayerNeed(parameters=100, activations=10, hessians=224, solve=496)
+    assert need.total == 830
+    shared = estimate_need(100, 10, [(1, 3, 4, "linear"), (2, 4, 4, "expert_gate_up"), (2, 4, 2, "expert_down")], all_experts=True)
+    assert shared.hessians == 4 * (16 + 24) and shared.solve == 496
+    # two linears of one shape form one bucket: 2 * 4 * (4 + 3) = 56 > the experts' 0
+    assert estimate_need(0, 0, [(1, 3, 4, "linear"), (1, 3, 4, "linear")], False) == LayerNeed(0, 0, 4 * 32, 4 * (24 + 56))
+    assert estimate_need(7, 0, [], False) == LayerNeed(7, 0, 0, 0)
+
+
+def test_moves_beside_the_work_only_when_offloading_unshared_layers_on_request():
+    assert budget("cpu").moves_ahead(shared=False, wanted=True) is True
+    assert budget("disk").moves_ahead(shared=False, wanted=True) is True
+    assert budget("none").moves_ahead(shared=False, wanted=True) is False
+    assert budget("cpu").moves_ahead(shared=True, wanted=True) is False
+    assert budget("cpu").moves_ahead(shared=False, wanted=False) is False
+    # the layers on the device leave beside the work only with cpu offload, moves ahead, no limit, a real device
+    assert budget("cpu").evacuates_beside(ahead=True, device_is_host=False) is True
+    assert budget("cpu", limit=10 ** 9).evacuates_beside(ahead=True, device_is_host=False) is False
+    assert budget("cpu").evacuates_beside(ahead=False, device_is_host=False) is False
+    assert budget("cpu").evacuates_beside(ahead=True, device_is_host=True) is False
+    assert budget("disk").evacuates_beside(ahead=True, device_is_host=False) is False
+    with pytest.raises(ValueError, match=r"offload mode 'ram': expected one of \('none', 'cpu', 'disk'\)"):
+        budget("ram")
+
+
+def test_booking_counts_the_layers_on_the_device_and_what_stays_there():
+    assert budget().booked(set()) == 500
+    assert budget().booked({0, 2}) == 2500
+    assert Budget("cpu", None, (10, 20, 30), 1).booked([1, 2]) == 51
+
+
+def test_totals_add_the_neighbours_of_moves_ahead_and_resident_layers():
+    needs = [EVEN] * 3
+    assert [budget().total(needs, i) for i in range(3)] == [2500] * 3
+    assert [budget().total(needs, i, ahead=True) for i in range(3)] == [3500, 4500, 3500]
+    kept = budget("none", resident={0, 1, 2})
+    assert [kept.total(needs, i) for i in range(3)] == [4500] * 3              # the two others stay there
+    assert kept.total(needs, 0, offloaded=True) == 2500
+
+
+def test_the_worst_layer_and_its_record_without_a_limit():
+    needs = [EVEN, LayerNeed(1000, 200, 300, 900), EVEN]                        # layer 1: total 2400
+    verdict = budget().assess(needs, ahead=True)
+    assert verdict == Verdict(ahead=True, layer=1, need=needs[1], total=4900)  # 500 + two neighbours + 2400
+    assert verdict.fits and verdict.problem == ""
+    verdict.raise_if_over()
+    assert verdict.record() == {"layer": 1, "parameters": 1000, "activations": 200, "hessians": 300, "solve": 900,
+                                "other_on_device": 2500, "total": 4900}
+    even = budget().assess([EVEN] * 3, ahead=False)                            # equals: the first one
+    assert (even.layer, even.total, even.ahead) == (0, 2500, False)
+
+
+def test_a_limit_without_room_for_the_neighbours_turns_the_moves_in_line():
+    verdict = budget(limit=4000).assess([EVEN] * 3, ahead=True)                # ahead: 4500 at layer 1
+    assert (verdict.ahead, verdict.layer, verdict.total, verdict.fits) == (False, 0, 2500, True)
+    assert verdict.record()["other_on_device"] == 500
+    roomy = budget(limit=4500).assess([EVEN] * 3, ahead=True)
+    assert (roomy.ahead, roomy.layer, roomy.total, roomy.fits) == (True, 1, 4500, True)
+
+
+def test_over_the_limit_the_message_says_by_how_much_and_what_helps():
+    verdict = budget(limit=2400).assess([EVEN] * 3, ahead=True)
+    assert not verdict.fits and verdict.ahead is False
+    message = ("decoder layer 0 alone needs about 2.00 kB on cuda:0 (parameters 1.00 kB, activations 200 B, "
+               "Hessians 300 B, solve 500 B), plus 500 B of tensors that stay there: 2.50 kB, over device_budget "
+               "2.40 kB. Offloading other layers cannot lower this; fewer calibration tokens (samples x length) "
+               "shrink the activations, moving the embeddings and head off the device frees theirs, or raise the "
+               "budget")
+    assert verdict.problem == message
+    with pytest.raises(DeviceBudgetError) as err:
+        verdict.raise_if_over()
+    assert str(err.value) == message and isinstance(err.value, ValueError)
+    assert verdict.record() == {"layer": 0, "parameters": 1000, "activations": 200, "hessians": 300, "solve": 500,
+                                "other_on_device": 500, "total": 2500}
+
+
+def test_resident_layers_over_the_limit_point_to_offloading_when_it_would_fit():
+    kept = budget("none", limit=3 * KB, resident={0, 1, 2}, device="cpu")
+    verdict = kept.assess([EVEN] * 3, ahead=False)
+    assert (verdict.layer, verdict.total) == (0, 4500)
+    assert verdict.problem == (
+        "offload='none' keeps 3 decoder layers (3.00 kB) on cpu; with 500 B of other tensors there and layer 0's "
+        "work the run needs about 4.50 kB, over device_budget 3.00 kB. Use offload='cpu' (layers in host memory, "
+        "one at a time on the device) or offload='disk' (layers in files, for models larger than host memory); "
+        "command line: --offload cpu|disk")
+    # a limit that even one layer at a time exceeds: offloading cannot help, the layer's own need is the message
+    tight = budget("none", limit=2 * KB, resident={0, 1, 2}, device="cpu").assess([EVEN] * 3, ahead=False)
+    assert tight.problem.startswith("decoder layer 0 alone needs about 2.00 kB on cpu (parameters 1.00 kB, "
+                                    "activations 200 B, Hessians 300 B, solve 500 B), plus 2.50 kB of tensors that "
+                                    "stay there: 4.50 kB, over device_budget 2.00 kB. Offloading other layers")
+    # no layer resident: nothing to offload, the layer's own message
+    alone = budget("none", limit=2 * KB, device="cpu").assess([EVEN] * 3, ahead=False)
+    assert alone.total == 2500 and alone.problem.startswith("decoder layer 0 alone needs about 2.00 kB on cpu")
