@@ -101,7 +101,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
     """Runs the pipeline once with synchronized timers around the calibrate stage's functions."""
     import jax
 
-    from interop import capture, layerwise
+    from interop import capture, experts_capture, layerwise
     from jgptq import hessian
 
     sec = Sections(sync)
@@ -132,7 +132,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
     for owner, attr, new in patches:
         originals.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, new)
-    for owner, attr, name in ((capture, "experts_forward", "experts loop"),
+    for owner, attr, name in ((experts_capture, "experts_forward", "experts loop"),
                               (capture.Collector, "_add_grouped", "routed packing"),
                               (capture.Collector, "_add", "linear hooks"),
                               (capture, "to_jax", "dlpack")):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop import capture, models
+from interop import capture, experts_capture, models
 from jgptq import statistics
 from tests.tiny_models import build, token_ids
 
@@ -24,7 +24,7 @@ def logits_with(model, ids, impl, collector=None):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_capture_implementation_computes_the_eager_output(family, grouped, monkeypatch):
     # grouped: the accelerator path (two grouped matrix products for all experts), here on the CPU
-    monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: grouped)
+    monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: grouped)
     model = build(family)
     ids = token_ids(2, 12, seed=3)
     eager = logits_with(model, ids, "eager")
@@ -91,7 +91,7 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
         # the accelerator policies: every group padded to its bucket's most slots (empty slots add nothing), the
         # experts' forward as grouped matrix products
         monkeypatch.setattr(capture, "_fixed_group_sizes", lambda device: True)
-        monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: True)
+        monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: True)
     if grouping != "one_group":
         # experts accumulated a few at a time, their rows in several passes of 64 (the bucket floor)
         monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)
@@ -162,16 +162,16 @@ def test_grouped_products_on_cuda_match_the_loop(monkeypatch):
     import jgptq
 
     model = build("qwen3_moe").to("cuda", torch.bfloat16)
-    assert capture._grouped_on(torch.device("cuda"), torch.bfloat16)
+    assert experts_capture._grouped_on(torch.device("cuda"), torch.bfloat16)
     ids = token_ids(4, 64, seed=7).cuda()
     capture._register()
     grouped = logits_with(model, ids, capture.IMPLEMENTATION).float()
-    monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype: False)
+    monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: False)
     loop = logits_with(model, ids, capture.IMPLEMENTATION).float()
     torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2 * loop.abs().max().item())
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(capture, "_grouped_on", lambda device, dtype, on=on: on)
+        monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype, on=on: on)
         runs[on] = jgptq.quantize_moe(build("qwen3_moe").to("cuda", torch.bfloat16), ids.cpu(), method="rtn",
                                       bits=4, group_size=16, keep_hessians=True, progress=False, batch_size=4)
     for key, (h, n) in runs[True].hessians.items():

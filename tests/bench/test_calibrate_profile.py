@@ -4,16 +4,16 @@ afterwards, and profiles each offload mode asked for."""
 import json
 
 from benchmarks import calibrate_profile
-from interop import capture, layerwise
+from interop import capture, experts_capture, layerwise
 from jgptq import hessian
 
 
 def test_small_profile_times_its_sections_and_restores_the_pipeline(tmp_path):
-    before = (capture.experts_forward, capture.Collector._add_grouped, capture.Collector._add, capture.to_jax,
+    before = (experts_capture.experts_forward, capture.Collector._add_grouped, capture.Collector._add, capture.to_jax,
               layerwise._layer_step, layerwise.run_layer, hessian.accumulate_slots)
     out = tmp_path / "profile.json"
     assert calibrate_profile.main(["--small", "--layers", "2", "--offload", "none,cpu", "--out", str(out)]) == 0
-    after = (capture.experts_forward, capture.Collector._add_grouped, capture.Collector._add, capture.to_jax,
+    after = (experts_capture.experts_forward, capture.Collector._add_grouped, capture.Collector._add, capture.to_jax,
              layerwise._layer_step, layerwise.run_layer, hessian.accumulate_slots)
     assert after == before
     data = json.loads(out.read_text())
