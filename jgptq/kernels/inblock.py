@@ -1,9 +1,9 @@
 """The in-block column loop of the GPTQ solve (integer grids) as one fused Pallas kernel.
 
 Inside a block of ``block`` solve-order columns, rows are independent given the block's factor ``U_bb`` and each
-row's grid. One program takes a tile of ``row_tile`` rows, keeps its (block x row_tile) slice of the weight in
-registers and runs the block's column steps there, writing each step's dequantized values, error and code as
-it goes; the weight block is read from memory once and never written back. Per column ``j``:
+row's grid. One program takes a tile of ``row_tile`` rows, keeps its (row_tile x block) slice of the weight in
+registers and runs the block's column steps there, keeping each step's error and code in two more register
+tiles; the block is read from memory once, and errors, codes (and lazy grids) written once. Per column ``j``:
 
     q = clamp(round(w_j / s) + z, 0, maxq);  dq = s (q - z);  err = (w_j - dq) / U_jj;  W -= U[j, :]^T err
 
@@ -13,7 +13,7 @@ grids come in per column. The lazy update of the columns right of the block stay
 
 The arithmetic is the XLA loop's, operation for operation: rounding half to even and IEEE division (on the GPU
 through the PTX instructions ``cvt.rni.f32.f32`` and ``div.rn.f32``: Triton has no rounding primitive and
-lowers ``/`` to an approximate division).
+lowers ``/`` to an approximate division), scales rounded to their storage dtype (``cvt.rn.f16.f32``).
 Codes can still differ where ``w / s`` sits within float32 noise of a half-integer, since the compilers order
 and contract the rank-1 updates differently.
 
@@ -27,7 +27,7 @@ Which path solves (read when a solve is traced; call ``jax.clear_caches()`` afte
 Configurations the kernel does not implement take the XLA loop, decided when the solve is traced and logged at
 INFO on ``jgptq.kernels``: the MSE clip search (``mse > 0``), and blocks that are not a power of two from 16 to
 256 columns (e.g. ``group_size=96``). Act-order is transparent: the columns arrive already permuted.
-``JGPTQ_SOLVER_TILING=rows,warps,stages`` (e.g. ``32,4,1``) sets the kernel's tiling (:class:`Tiling`).
+``JGPTQ_SOLVER_TILING=rows,warps,stages`` (e.g. ``8,1,1``) sets the kernel's tiling (:class:`Tiling`).
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ class Tiling:
     """How the kernel is laid out on the GPU.
 
     Attributes:
-      row_tile: weight rows per program (a power of two; lowered to the next power of two above the row count
-        when the matrix has fewer rows).
-      num_warps: warps per program.
+      row_tile: weight rows per program for blocks of up to 128 columns (a power of two; halved for each
+        doubling of the block past 128, and lowered to the row count's next power of two for short matrices).
+      num_warps: warps per program. One warp keeps every reduction over the block's columns inside the warp
+        (shuffles); with more, Triton splits the columns over warps and each step waits on shared memory.
       num_stages: Triton software-pipelining stages of the column loop's loads.
     """
 
-    row_tile: int = 32
-    num_warps: int = 4
+    row_tile: int = 8
+    num_warps: int = 1
     num_stages: int = 1
 
     def __post_init__(self):
@@ -113,7 +114,7 @@ class BlockOutput(NamedTuple):
     """What the kernel returns for one block (transposed: one row per solved column).
 
     Attributes:
-      dequantized: float32 (block, R).
+      dequantized: float32 (block, R), ``scale * (code - zero)`` (computed outside the kernel from its codes).
       errors: float32 (block, R), ``(w_j - dq_j) / U_jj``.
       codes: uint8 (block, R).
       scales, zeros: float32 (block // group, R), the grids fitted at each group's first column (lazy grids),
@@ -136,51 +137,71 @@ def _ptx(asm: str, *args):
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
 
 
-def _exact_ops(compiled: bool):
-    """(divide, round half to even) with IEEE float32 results: PTX instructions in a compiled kernel (Triton
-    lowers ``/`` to an approximate division and has no rounding primitive), jnp otherwise."""
+class _Exact(NamedTuple):
+    divide: Callable      # IEEE float32 x / y
+    rint: Callable        # round half to even
+    storable: Callable    # a scale rounded to its storage dtype, as uniform.storable_scale
+
+
+def _exact_ops(compiled: bool, scale_dtype: str) -> _Exact:
+    """Arithmetic with the XLA loop's float32 results: PTX instructions in a compiled kernel (Triton lowers
+    ``/`` to an approximate division, has no rounding primitive, and cannot lower the bit tricks that keep XLA
+    from dropping a float16 round trip), jnp and :mod:`jgptq.quantizers.uniform` otherwise."""
     if not compiled:
-        return jnp.divide, jnp.round
-    return (lambda x, y: _ptx("div.rn.f32 $0, $1, $2;", x, y)), (lambda x: _ptx("cvt.rni.f32.f32 $0, $1;", x))
+        return _Exact(jnp.divide, jnp.round, lambda s: uniform.storable_scale(s, scale_dtype))
+
+    def storable(s):
+        if scale_dtype == "float32":
+            return s
+        short = {"float16": "f16", "bfloat16": "bf16"}[scale_dtype]
+        rounded = _ptx(f"{{ .reg .b16 t; cvt.rn.{short}.f32 t, $1; cvt.f32.{short} $0, t; }}", s)
+        return jnp.maximum(rounded, np.float32(jnp.finfo(jnp.dtype(scale_dtype)).smallest_subnormal))
+
+    return _Exact(lambda x, y: _ptx("div.rn.f32 $0, $1, $2;", x, y), lambda x: _ptx("cvt.rni.f32.f32 $0, $1;", x),
+                  storable)
 
 
 def _kernel(*refs, block, group, lazy, maxq, sym, scale_dtype, compiled):
     if lazy:
-        w_ref, ut_ref, dq_ref, err_ref, code_ref, scale_ref, zero_ref = refs
+        w_ref, u_ref, err_ref, code_ref, scale_ref, zero_ref = refs
     else:
-        w_ref, ut_ref, scale_ref, zero_ref, dq_ref, err_ref, code_ref = refs
-    div, rint = _exact_ops(compiled)
-    row = lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+        w_ref, u_ref, scale_ref, zero_ref, err_ref, code_ref = refs
+    div, rint, storable = _exact_ops(compiled, scale_dtype)
+    # The tile is (rows, block), the block's columns contiguous in memory and in the tile. Everything inside the
+    # column loop keeps the tile's shape (column j is taken by a masked reduction, errors and codes are merged
+    # in by selects and stored once at the end), so Triton keeps one register layout throughout.
+    col_id = lax.broadcasted_iota(jnp.int32, (1, block), 1)
 
-    def column(j, tile, scale, zero):
-        # Column j of the register tile by a masked reduction (registers cannot be indexed dynamically).
-        col = jnp.sum(jnp.where(row == j, tile, 0.0), axis=0)
+    def column(j, carry, scale, zero):
+        tile, errs, codes = carry
+        at_j = col_id == j
+        col = jnp.sum(jnp.where(at_j, tile, 0.0), axis=1)
         q = jnp.clip(rint(div(col, scale)) + zero, 0.0, float(maxq))
-        dq = scale * (q - zero)
-        err = div(col - dq, jnp.broadcast_to(ut_ref[j, j], col.shape))
-        dq_ref[j, :] = dq
-        err_ref[j, :] = err
-        code_ref[j, :] = q.astype(jnp.uint8)
-        return tile - ut_ref[:, pl.ds(j, 1)] * err[None, :]  # ut[:, j] = U[j, :]: zero left of j
+        err = div(col - scale * (q - zero), jnp.broadcast_to(u_ref[j, j], col.shape))
+        errs = jnp.where(at_j, err[:, None], errs)
+        codes = jnp.where(at_j, q[:, None], codes)
+        return tile - err[:, None] * u_ref[pl.ds(j, 1), :], errs, codes  # U[j, :] is zero left of j
 
     tile = w_ref[...]
-    if not lazy:
-        lax.fori_loop(0, block, lambda j, t: column(j, t, scale_ref[j, :], zero_ref[j, :]), tile)
-        return
+    carry = (tile, jnp.zeros_like(tile), jnp.zeros_like(tile))
+    if lazy:
+        def group_step(k, carry):
+            g0 = k * group
+            inside = (col_id >= g0) & (col_id < g0 + group)
+            wmin = jnp.min(jnp.where(inside, carry[0], jnp.inf), axis=1)
+            wmax = jnp.max(jnp.where(inside, carry[0], -jnp.inf), axis=1)
+            xmin, xmax = uniform.range_from_extremes(wmin, wmax, sym)
+            scale = storable((xmax - xmin) * np.float32(1.0 / maxq))
+            zero = jnp.full_like(scale, (maxq + 1) / 2) if sym else rint(div(-xmin, scale))
+            scale_ref[:, pl.ds(k, 1)] = scale[:, None]
+            zero_ref[:, pl.ds(k, 1)] = zero[:, None]
+            return lax.fori_loop(0, group, lambda i, c: column(g0 + i, c, scale, zero), carry)
 
-    def group_step(k, tile):
-        g0 = k * group
-        inside = (row >= g0) & (row < g0 + group)
-        wmin = jnp.min(jnp.where(inside, tile, jnp.inf), axis=0)
-        wmax = jnp.max(jnp.where(inside, tile, -jnp.inf), axis=0)
-        xmin, xmax = uniform.range_from_extremes(wmin, wmax, sym)
-        scale = uniform.storable_scale((xmax - xmin) * np.float32(1.0 / maxq), scale_dtype)
-        zero = jnp.full_like(scale, (maxq + 1) / 2) if sym else rint(div(-xmin, scale))
-        scale_ref[k, :] = scale
-        zero_ref[k, :] = zero
-        return lax.fori_loop(0, group, lambda i, t: column(g0 + i, t, scale, zero), tile)
-
-    lax.fori_loop(0, block // group, group_step, tile)
+        _, errs, codes = lax.fori_loop(0, block // group, group_step, carry)
+    else:
+        _, errs, codes = lax.fori_loop(0, block, lambda j, c: column(j, c, scale_ref[:, j], zero_ref[:, j]), carry)
+    err_ref[...] = errs
+    code_ref[...] = codes.astype(jnp.uint8)
 
 
 def _next_pow2(n: int) -> int:
@@ -208,22 +229,25 @@ def solve_block(wb: jax.Array, ub: jax.Array, scale_cols: Optional[jax.Array] = 
     if lazy and (block % group or group & (group - 1)):
         raise ValueError(f"lazy groups of {group} columns do not tile a block of {block} power-of-two columns")
     tiles = tiles or tiling()
-    rt = min(tiles.row_tile, _next_pow2(rows))
+    # the register tiles hold row_tile x 128 values; wider blocks take proportionally fewer rows
+    rt = min(max(1, tiles.row_tile * 128 // max(block, 128)), _next_pow2(rows))
     padded = -(-rows // rt) * rt
-    pad = ((0, 0), (0, padded - rows))
-    args = [jnp.pad(wb.astype(jnp.float32), pad), ub.astype(jnp.float32).T]
-    tile = pl.BlockSpec((block, rt), lambda i: (0, i))
+    pad = ((0, padded - rows), (0, 0))
+
+    def rows_first(a, fill=0.0):  # (block, R) -> (padded R, block); XLA transposes, once a block
+        return jnp.pad(a.astype(jnp.float32).T, pad, constant_values=fill)
+
+    args = [rows_first(wb), ub.astype(jnp.float32)]
+    tile = pl.BlockSpec((rt, block), lambda i: (i, 0))
     in_specs = [tile, pl.BlockSpec((block, block), lambda i: (0, 0))]
-    out_shape = [jax.ShapeDtypeStruct((block, padded), jnp.float32)] * 2 + [
-        jax.ShapeDtypeStruct((block, padded), jnp.uint8)]
-    out_specs = [tile] * 3
+    out_shape = [jax.ShapeDtypeStruct((padded, block), jnp.float32), jax.ShapeDtypeStruct((padded, block), jnp.uint8)]
+    out_specs = [tile] * 2
     if lazy:
         n_groups = block // group
-        out_shape += [jax.ShapeDtypeStruct((n_groups, padded), jnp.float32)] * 2
-        out_specs += [pl.BlockSpec((n_groups, rt), lambda i: (0, i))] * 2
+        out_shape += [jax.ShapeDtypeStruct((padded, n_groups), jnp.float32)] * 2
+        out_specs += [pl.BlockSpec((rt, n_groups), lambda i: (i, 0))] * 2
     else:
-        args += [jnp.pad(scale_cols.astype(jnp.float32), pad, constant_values=1.0),
-                 jnp.pad(zero_cols.astype(jnp.float32), pad)]
+        args += [rows_first(scale_cols, 1.0), rows_first(zero_cols)]
         in_specs += [tile, tile]
     kernel = functools.partial(_kernel, block=block, group=group if lazy else block, lazy=lazy, maxq=config.maxq,
                                sym=config.sym, scale_dtype=config.scale_dtype, compiled=not interpret)
@@ -234,8 +258,12 @@ def solve_block(wb: jax.Array, ub: jax.Array, scale_cols: Optional[jax.Array] = 
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     outs = pl.pallas_call(kernel, out_shape=out_shape, grid=(padded // rt,), in_specs=in_specs,
                           out_specs=out_specs, interpret=interpret, name="gptq_inblock", **extra)(*args)
-    outs = [o[:, :rows] for o in outs]
-    return BlockOutput(*outs[:3], *(outs[3:] if lazy else (None, None)))
+    errors, codes, *grids = [o[:rows].T for o in outs]
+    if lazy:
+        scale_cols, zero_cols = (jnp.repeat(g, group, axis=0) for g in grids)
+    # the kernel's own dequantization, in XLA: the same product, on the codes it chose
+    dequantized = uniform.dequantize(codes.astype(jnp.float32), scale_cols, zero_cols)
+    return BlockOutput(dequantized, errors, codes, *(grids if lazy else (None, None)))
 
 
 def _has_cuda() -> bool:
