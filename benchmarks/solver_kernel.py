@@ -169,8 +169,19 @@ def main(argv=None):
         r = run_case(name, experts, rows, cols, tokens, tilings, repeat, jax.random.fold_in(key, i), kernel_path)
         results.append(r)
         print({k: v for k, v in r.items() if k != "kernel_tilings"})
-    summary = {"on_gpu": on_gpu, "kernel_mode": "compiled" if on_gpu else "interpret"}
+        write_results(args.out, results, on_gpu)  # after every case: a run cut short keeps what it measured
+    return 0
+
+
+def write_results(path, results, on_gpu):
+    from jgptq import QuantConfig
+    from jgptq.kernels import inblock
+
+    os.environ[inblock.MODE_ENV] = "auto"
+    summary = {"on_gpu": on_gpu, "kernel_mode": "compiled" if on_gpu else "interpret",
+               "auto_uses_kernel": inblock.in_block_solver(QuantConfig(), 128, 128, True) is not None}
     by_name = {r["case"]: r for r in results}
+    summary["best_tiling"] = {r["case"]: r["kernel"]["tiling"] for r in results if "kernel" in r}
     single = by_name.get(FULL_CASES[0][0])
     if single and "kernel" in single:
         summary["single_4096_kernel_s"] = single["kernel"]["warm_s"]
@@ -181,6 +192,5 @@ def main(argv=None):
         summary["moe_layer_xla_s"] = sum(m["xla"]["warm_s"] for m in moe)
         summary["moe_layer_target_met"] = summary["moe_layer_kernel_s"] <= TARGETS_S["moe_layer"]
     print(summary)
-    common.write(args.out, {"benchmark": "solver_kernel", "description": __doc__, "targets_s": TARGETS_S,
-                            "summary": summary, "results": results})
-    return 0
+    common.write(path, {"benchmark": "solver_kernel", "description": __doc__, "targets_s": TARGETS_S,
+                        "summary": summary, "results": results})

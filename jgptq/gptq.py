@@ -15,12 +15,11 @@ Algorithm (columns in the solve order ``perm``, see :mod:`jgptq.act_order`):
      are kept (re-encoding the decoded weight would not give them back);
 3. after each block, the columns to its right receive the block's errors at once: ``W -= E_block U[block, :]``.
 
-On CUDA GPUs the in-block loop of integer grids runs as one fused Pallas kernel; ``JGPTQ_SOLVER_KERNEL=xla``
-(or ``pallas``) forces either path, see :mod:`jgptq.kernels.inblock`.
-
-Every loop is a ``lax.fori_loop``, so compile time does not grow with the matrix width. Matrix products run at
-precision HIGHEST (no TF32). Internally the weight is kept transposed (columns contiguous) and padded to a
-whole number of blocks with zero columns and an identity factor, which changes nothing in the real columns.
+On CUDA GPUs the in-block loop of integer grids is a fused Pallas kernel (:mod:`jgptq.kernels.inblock`;
+``JGPTQ_SOLVER_KERNEL=xla|pallas`` forces a path). Every loop is a ``lax.fori_loop``, so compile time does
+not grow with the matrix width. Matrix products run at precision HIGHEST (no TF32). Internally the weight is
+kept transposed (columns contiguous) and padded to a whole number of blocks with zero columns and an identity
+factor, which changes nothing in the real columns.
 """
 
 from __future__ import annotations
@@ -228,14 +227,11 @@ def _solve_highest(weight, hessian, importance, config, codec):
         b0 = b * block
         wb = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)
         ub = jax.lax.dynamic_slice(upper, (b0, b0), (block, block))
-
-        def xla_step(wb, ub, extra):
+        def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
             zeros = jnp.zeros_like(wb)
             _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
                                                        (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
             return qb, eb, extra
-
-        # The fused kernel where it serves (see jgptq.kernels.inblock), else the XLA loop.
         qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
         # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
