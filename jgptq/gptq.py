@@ -15,9 +15,11 @@ Algorithm (columns in the solve order ``perm``, see :mod:`jgptq.act_order`):
      are kept (re-encoding the decoded weight would not give them back);
 3. after each block, the columns to its right receive the block's errors at once: ``W -= E_block U[block, :]``.
 
-Every loop is a ``lax.fori_loop``, so compile time does not grow with the matrix width. Matrix products run at
-precision HIGHEST (no TF32). Internally the weight is kept transposed (columns contiguous) and padded to a
-whole number of blocks with zero columns and an identity factor, which changes nothing in the real columns.
+On CUDA GPUs the in-block loop of integer grids is a fused Pallas kernel (:mod:`jgptq.kernels.inblock`;
+``JGPTQ_SOLVER_KERNEL=xla|pallas`` forces a path). Every loop is a ``lax.fori_loop``, so compile time does
+not grow with the matrix width. Matrix products run at precision HIGHEST (no TF32). Internally the weight is
+kept transposed (columns contiguous) and padded to a whole number of blocks with zero columns and an identity
+factor, which changes nothing in the real columns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 
 from jgptq import act_order, damping
 from jgptq.config import QuantConfig
+from jgptq.kernels import inblock
 from jgptq.quantizers import uniform
 
 
@@ -217,15 +220,19 @@ def _solve_highest(weight, hessian, importance, config, codec):
         return wb, qb, eb, ub, loss, payload_t
 
     step = group_step if codec is not None else column_steps
+    kernel = None if codec is not None else inblock.in_block_solver(config, block, group, plan.lazy)
 
     def block_step(b, carry):
         wt, qt, loss, extra = carry
         b0 = b * block
         wb = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)
         ub = jax.lax.dynamic_slice(upper, (b0, b0), (block, block))
-        zeros = jnp.zeros_like(wb)
-        wb, qb, eb, _, loss, extra = jax.lax.fori_loop(
-            0, block // group, functools.partial(_with_b0, step, b0), (wb, zeros, zeros, ub, loss, extra))
+        def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
+            zeros = jnp.zeros_like(wb)
+            _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
+                                                       (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
+            return qb, eb, extra
+        qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
         # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
         wt = wt - jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ eb

@@ -89,7 +89,8 @@ def column_order(diag, act_order, group_size):
 
 def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups=False, damp=0.01, mse=0.0,
          tie_codes=None, scale_dtype="float32"):
-    """Returns dict(codes (R, C), weight (R, C), scales (R, G), zeros (R, G), g_idx (C,), perm, loss, ties).
+    """Returns dict(codes (R, C), weight (R, C), scales (R, G), zeros (R, G), g_idx (C,), perm, loss, ties, ratios),
+    ``ratios`` (R, C) being ``w / scale`` of every weight when it was rounded.
 
     ``tie_codes`` (R, C) in original column order: codes to follow where a weight sits on a rounding tie (float32
     and float64 legitimately round those differently); ``ties`` counts the entries where that changed the code.
@@ -120,6 +121,7 @@ def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups
     U = np.linalg.cholesky(np.linalg.inv(Hp)).T
     codes = np.zeros((r, c))
     Q = np.zeros((r, c))
+    ratios = np.zeros((r, c))
     loss = 0.0
     ties = 0
     tie_p = None if tie_codes is None else np.asarray(tie_codes, np.float64)[:, perm]
@@ -130,6 +132,7 @@ def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups
         q, dq, taken = quant(w, scales[:, gid[i]], zeros[:, gid[i]], bits,
                              None if tie_p is None else tie_p[:, i])
         ties += taken
+        ratios[:, i] = w / scales[:, gid[i]]
         err = (w - dq) / U[i, i]
         Wp[:, i:] -= np.outer(err, U[i, i:])
         codes[:, i], Q[:, i] = q, dq
@@ -137,4 +140,4 @@ def gptq(W, H, bits=4, group_size=128, sym=True, act_order="none", static_groups
     inv = np.argsort(perm)
     g_idx = gid[inv]
     return dict(codes=codes[:, inv], weight=Q[:, inv], scales=scales, zeros=zeros, g_idx=g_idx, perm=perm,
-                loss=loss, ties=ties)
+                loss=loss, ties=ties, ratios=ratios[:, inv])

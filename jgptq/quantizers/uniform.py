@@ -35,9 +35,15 @@ class Grid(NamedTuple):
 
 
 def _range(w: jax.Array, sym: bool):
-    zeros = jnp.zeros(w.shape[:-1], w.dtype)
-    xmin = jnp.minimum(w.min(axis=-1), zeros)
-    xmax = jnp.maximum(w.max(axis=-1), zeros)
+    return range_from_extremes(w.min(axis=-1), w.max(axis=-1), sym)
+
+
+def range_from_extremes(wmin: jax.Array, wmax: jax.Array, sym: bool):
+    """The grid range ``(xmin, xmax)`` (float32, same shape) of rows whose smallest and largest weights are
+    ``wmin`` and ``wmax``: widened to include 0, mirrored when symmetric, [-1, 1] when empty."""
+    zeros = jnp.zeros_like(wmin)
+    xmin = jnp.minimum(wmin, zeros)
+    xmax = jnp.maximum(wmax, zeros)
     if sym:
         xmax = jnp.maximum(jnp.abs(xmin), xmax)
         xmin = jnp.where(xmin < 0, -xmax, xmin)
