@@ -55,7 +55,7 @@ from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from interop.stores import Stores
 from jgptq import plan as plan_mod
-from jgptq import statistics
+from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
 
 try:
@@ -121,6 +121,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         :class:`jgptq.ResumeMismatchError` for a checkpoint of another run.
     """
     cfg = PipelineConfig.build(config, **kwargs)
+    xla_options.enable_compilation_cache()
     if checkpoint_dir is not None and cfg.keep_hessians:
         raise ValueError("keep_hessians cannot be combined with checkpoint_dir: Hessians are not checkpointed")
     model = torch_model

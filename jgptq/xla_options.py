@@ -23,3 +23,39 @@ def triton_gemm_wanted() -> bool:
 def gemm_options() -> Optional[dict]:
     """``compiler_options`` for ``jax.jit`` / ``Lowered.compile``: cuBLAS GEMMs unless Triton is wanted."""
     return None if triton_gemm_wanted() else {"xla_gpu_enable_triton_gemm": False}
+
+
+ENV_COMPILE_CACHE = "JGPTQ_COMPILATION_CACHE"
+
+
+def compilation_cache_dir() -> Optional[str]:
+    """Where compiled programs persist between runs: ``JGPTQ_COMPILATION_CACHE`` (a folder, or ``0``/``off`` for
+    none), by default ``$XDG_CACHE_HOME/jgptq/xla`` (``~/.cache/jgptq/xla``)."""
+    value = os.environ.get(ENV_COMPILE_CACHE, "").strip()
+    if value.lower() in ("0", "off", "false", "no", "none"):
+        return None
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jgptq", "xla")
+
+
+def enable_compilation_cache() -> Optional[str]:
+    """Turns on JAX's persistent compilation cache in :func:`compilation_cache_dir` (unless the user set
+    ``jax_compilation_cache_dir`` already or opted out), so that a layer's solve programs compile once per machine,
+    not once per run. Programs that compile in under a second are not kept. Returns the folder in use, or None."""
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    folder = compilation_cache_dir()
+    if folder is None:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None  # an unwritable cache folder only costs compile time
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return folder

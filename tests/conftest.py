@@ -3,6 +3,9 @@ import sys
 
 # Tests run on the CPU backend unless a test opts into a GPU; keep JAX from grabbing GPU memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# No persistent compilation cache in the suite (tests/test_xla_options.py checks it apart): xdist workers then never
+# share compiled programs through a folder, and every run compiles what it tests.
+os.environ.setdefault("JGPTQ_COMPILATION_CACHE", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402

@@ -58,8 +58,11 @@ def test_kernel_equals_xla_loop_and_float64_textbook(rng, monkeypatch, opts):
     assert n_rows <= 1 and np.all(at_tie)
     assert float(ker.loss) == pytest.approx(float(xla.loss), rel=1e-5)
     np.testing.assert_array_equal(np.asarray(ker.g_idx), np.asarray(xla.g_idx))
-    if n_rows == 0:
+    if n_rows == 0 and (cfg.scale_dtype != "float32" or jax.default_backend() == "cpu"):
         np.testing.assert_array_equal(np.asarray(ker.scales), np.asarray(xla.scales))
+    elif n_rows == 0:  # unrounded float32 scales: on the GPU the two compilers evaluate the grid's division apart
+        np.testing.assert_array_max_ulp(np.asarray(ker.scales), np.asarray(xla.scales), maxulp=2)
+    if n_rows == 0:
         np.testing.assert_array_equal(np.asarray(ker.zeros), np.asarray(xla.zeros))
         np.testing.assert_allclose(np.asarray(ker.weight), np.asarray(xla.weight), rtol=0, atol=1e-6)
     # against the float64 textbook, which follows the kernel only where a weight sits on a near-tie
