@@ -158,9 +158,8 @@ def accumulate_at(state: HessianState, index: int, x, mask=None, *, input_dtype:
     return _accumulate_at(state, jnp.int32(index), x, mask, input_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1),
-                   compiler_options=xla_options.gemm_options())
-def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: str):
+def _slot_products(x, mask, input_dtype: str):
+    """(masked x, per-slot X^T X float32 (G, C, C), real rows per slot (G,)) of a padded group (traced)."""
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     if input_dtype == "bfloat16":
         xb = x.astype(jnp.bfloat16)
@@ -170,6 +169,13 @@ def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: st
         h = jax.lax.dot_general(xf, xf, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
     counts = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    return x, h, counts
+
+
+@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1),
+                   compiler_options=xla_options.gemm_options())
+def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: str):
+    x, h, counts = _slot_products(x, mask, input_dtype)
     sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
     return (HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts)),
             sums.at[index].add(sq))
@@ -203,15 +209,7 @@ def accumulate_group(state: HessianState, sums, index, x, mask, *, input_dtype: 
 @functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,),
                    compiler_options=xla_options.gemm_options())
 def _accumulate_slots(state: HessianState, index, x, mask, input_dtype: str) -> HessianState:
-    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-    if input_dtype == "bfloat16":
-        xb = x.astype(jnp.bfloat16)
-        h = jax.lax.dot_general(xb, xb, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    else:
-        xf = x.astype(jnp.float32)
-        h = jax.lax.dot_general(xf, xf, (((1,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)
-    counts = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    x, h, counts = _slot_products(x, mask, input_dtype)
     return HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts))
 
 
