@@ -69,6 +69,10 @@ def check_format(kind: str, quant) -> None:
         if not gguf_available():
             raise ExportError("export 'gguf' needs the module interop.gguf_export (export_gguf), which is not "
                               "installed in this jgptq; export 'gptq' or 'compressed-tensors' instead")
+        if quant is not None and not quant.is_ggml:
+            raise ExportError(f"GGUF export needs a GGML format, not {quant.format!r} (integer grids): pass "
+                              f"--format q4_k (or another GGML format) or --mix q4_k_m (format=/mix= in Python); "
+                              f"integer grids export as 'gptq' or 'compressed-tensors'")
         return
     if quant.is_ggml:
         raise ExportError(f"format {quant.format!r} is a GGML block format; the {kind} exporter holds integer grids "

@@ -1,0 +1,55 @@
+"""The command line refuses bad options before it loads anything: the model folder here holds a config.json and a
+safetensors file that is not one, so any attempt to load the tokenizer or the model would fail differently."""
+
+import pytest
+
+from jgptq.cli import main
+
+
+@pytest.fixture
+def unloadable(tmp_path, monkeypatch):
+    """A model folder that passes the folder checks but cannot be loaded; loading raises AssertionError."""
+    import transformers
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model or tokenizer was loaded before the options were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "dtype": "float32"}')
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    (tmp_path / "calib.txt").write_text("some calibration text\n")
+    return tmp_path
+
+
+def refused(folder, capsys, *extra):
+    """The one-line error of ``jgptq quantize`` with ``extra`` options; asserts that nothing was written."""
+    before = sorted(p.name for p in folder.iterdir())
+    args = ["quantize", folder / "model", "--calib", folder / "calib.txt", "--out", folder / "out.gguf", *extra]
+    assert main([str(a) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jgptq: error: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    return err.strip()
+
+
+def test_gguf_export_without_a_ggml_format_is_refused_up_front(unloadable, capsys):
+    assert refused(unloadable, capsys, "--export", "gguf") == (
+        "jgptq: error: GGUF export needs a GGML format, not 'int' (integer grids): pass --format q4_k (or another "
+        "GGML format) or --mix q4_k_m (format=/mix= in Python); integer grids export as 'gptq' or "
+        "'compressed-tensors'")
+    assert refused(unloadable, capsys, "--export", "gguf", "--method", "rtn").startswith(
+        "jgptq: error: GGUF export needs a GGML format, not 'int'")
+
+
+def test_export_format_rule_is_one_function_the_library_shares():
+    from interop.export import ExportError, check_format
+    from jgptq.config import QuantConfig
+
+    with pytest.raises(ExportError, match=r"^GGUF export needs a GGML format, not 'int'"):
+        check_format("gguf", QuantConfig())
+    check_format("gguf", QuantConfig(format="q4_k"))
+    with pytest.raises(ExportError, match="is a GGML block format"):
+        check_format("gptq", QuantConfig(format="q4_k"))
