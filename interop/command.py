@@ -77,6 +77,37 @@ def model_dtype(model_dir: Path, requested: str) -> str:
     return dtype if isinstance(dtype, str) else "float32"
 
 
+MIN_SEQ_LEN = 16   # tokens per calibration window below which attention sees too little context to calibrate
+
+
+def check_calibration_options(args) -> None:
+    """Refuses ``--samples`` / ``--seq-len`` values no run can use, before the tokenizer or model is loaded."""
+    if args.samples < 1:
+        raise CommandError(f"--samples {args.samples}: the number of calibration sequences must be at least 1 "
+                           f"(default: 128)")
+    if args.seq_len < MIN_SEQ_LEN:
+        raise CommandError(f"--seq-len {args.seq_len}: calibration windows need at least {MIN_SEQ_LEN} tokens "
+                           f"(default: 512)")
+
+
+def check_group_size(model_dir: Path, quant: QuantConfig, exclude) -> None:
+    """Refuses an integer-grid group size that does not divide the model's ``hidden_size`` (read from
+    config.json, without loading the model): the input width of the attention and expert projections.
+    Skipped with ``--exclude`` (those may leave such projections out) or when config.json names no width."""
+    if quant.is_ggml or quant.group_size == -1 or exclude:
+        return
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    width = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+    if not isinstance(width, int) or width % quant.group_size == 0:
+        return
+    fits = [g for g in (32, 64, 128) if width % g == 0]
+    hint = f"--group-size {fits[-1]}" if fits else "--group-size -1 (one scale per output row)"
+    raise CommandError(f"--group-size {quant.group_size} does not divide the model's hidden_size {width} "
+                       f"(config.json), the input width of its attention and expert projections; use {hint}")
+
+
 def build_config(args, dtype: str) -> PipelineConfig:
     """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
 
@@ -155,7 +186,9 @@ def run_quantize(args) -> int:
     model_dir = check_model_dir(args.model_dir)
     files = paths_for(args.out)
     dtype = model_dtype(model_dir, args.dtype)
+    check_calibration_options(args)
     cfg = build_config(args, dtype)
+    check_group_size(model_dir, cfg.quant, args.exclude)
     if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)

@@ -53,3 +53,24 @@ def test_export_format_rule_is_one_function_the_library_shares():
     check_format("gguf", QuantConfig(format="q4_k"))
     with pytest.raises(ExportError, match="is a GGML block format"):
         check_format("gptq", QuantConfig(format="q4_k"))
+
+
+def test_options_are_checked_before_the_model_is_loaded(unloadable, capsys):
+    import json
+
+    config = unloadable / "model" / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "dtype": "float32", "hidden_size": 2048}))
+    assert refused(unloadable, capsys, "--group-size", "100") == (
+        "jgptq: error: --group-size 100 does not divide the model's hidden_size 2048 (config.json), the input "
+        "width of its attention and expert projections; use --group-size 128")
+    assert refused(unloadable, capsys, "--group-size", "0") == (
+        "jgptq: error: QuantConfig.group_size=0: must be -1 (per channel) or a positive integer")
+    assert refused(unloadable, capsys, "--samples", "0") == (
+        "jgptq: error: --samples 0: the number of calibration sequences must be at least 1 (default: 128)")
+    assert refused(unloadable, capsys, "--seq-len", "1") == (
+        "jgptq: error: --seq-len 1: calibration windows need at least 16 tokens (default: 512)")
+    assert refused(unloadable, capsys, "--batch-size", "0") == (
+        "jgptq: error: PipelineConfig.batch_size=0: must be a positive integer")
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "text_config": {"hidden_size": 96}}))
+    assert refused(unloadable, capsys, "--group-size", "64").endswith(
+        "hidden_size 96 (config.json), the input width of its attention and expert projections; use --group-size 32")
