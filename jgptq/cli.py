@@ -44,6 +44,14 @@ def default(config_class, field: str):
     raise KeyError(f"{config_class.__name__} has no field {field!r}")
 
 
+TRACEBACK_HELP = "show the full traceback of an error"
+
+
+def _traceback_option(p: argparse.ArgumentParser) -> None:
+    """``--traceback`` after the subcommand too; left unset there, so that one before it still counts."""
+    p.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP)
+
+
 def _quant_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization")
     fmt, bits, group_size = (default(QuantConfig, f) for f in ("format", "bits", "group_size"))
@@ -88,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jgptq", description="GPTQ for Mixture-of-Experts language models, with the numerics in JAX.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"jgptq {__version__}")
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     q = sub.add_parser("quantize", help="quantize a local transformers model folder and export it",
@@ -140,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="continue a killed run from its last finished layer (default: on)")
     r.add_argument("--quiet", action="store_true", help="no progress bars or messages")
+    _traceback_option(r)
 
     bits = default(QuantConfig, "bits")
     d = sub.add_parser("demo", help="quantize a tiny random MoE model: GPTQ against round-to-nearest",
@@ -156,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     d.add_argument("--overwrite", action="store_true", help="replace an existing output")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    _traceback_option(d)
     return parser
 
 

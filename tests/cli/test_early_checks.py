@@ -74,3 +74,18 @@ def test_options_are_checked_before_the_model_is_loaded(unloadable, capsys):
     config.write_text(json.dumps({"model_type": "qwen3_moe", "text_config": {"hidden_size": 96}}))
     assert refused(unloadable, capsys, "--group-size", "64").endswith(
         "hidden_size 96 (config.json), the input width of its attention and expert projections; use --group-size 32")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_traceback_is_accepted_before_or_after_the_subcommand(unloadable, where):
+    from interop.export import ExportError
+    from jgptq.cli import build_parser
+
+    args = ["quantize", unloadable / "model", "--calib", unloadable / "calib.txt", "--out", unloadable / "o.gguf",
+            "--export", "gguf"]
+    args = ["--traceback", *args] if where == "before" else [*args, "--traceback"]
+    with pytest.raises(ExportError, match=r"^GGUF export needs a GGML format, not 'int'"):
+        main([str(a) for a in args])
+    assert build_parser().parse_args(["demo", "--traceback"]).traceback is True
+    assert build_parser().parse_args(["--traceback", "demo"]).traceback is True
+    assert build_parser().parse_args(["demo"]).traceback is False
