@@ -6,8 +6,8 @@
 ``jgptq quantize`` quantizes a local transformers model folder (safetensors weights) with GPTQ, layer by layer,
 and writes a checkpoint that serving stacks load. A run that is killed continues from its last finished layer
 when started again with the same arguments (``--no-resume`` starts over). Run ``jgptq quantize --help`` for every
-option. The torch side is imported only when a command runs; ``--help`` and ``--version`` need neither torch
-nor JAX.
+option. The torch side is imported only when a command runs; parsing and ``--version`` need neither torch nor
+JAX (``--help`` imports the GGML codecs, hence JAX, to list the formats it can encode).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import textwrap
 
 from jgptq.config import (ACT_ORDERS, HESSIAN_DTYPES, IMPORTANCES, METHODS, MOE_CALIBRATIONS, OFFLOADS, MoEConfig,
                           PipelineConfig, QuantConfig)
@@ -33,6 +34,31 @@ EPILOG = """examples:
   jgptq quantize ./big-model --calib calib.txt --out ./big-w4 --offload disk --device-budget 40GB
   jgptq quantize ./model --calib calib.txt --out ./model-Q4_K_M.gguf --export gguf --mix q4_k_m
 """
+
+
+def format_listing() -> str:
+    """The GGML formats jgptq can encode (from :mod:`jgptq.ggml`'s registry) and the llama.cpp mixes
+    (:data:`jgptq.mixes.PRESETS`), as help text. Imports the codecs, hence JAX: called only when help is shown."""
+    from jgptq.ggml import format_names, get_format
+
+    formats = [name for name in format_names() if get_format(name).encode is not None]
+    mixes = [f"{mix} (on {base})" for mix, base in PRESETS.items()]
+    return "".join(textwrap.fill(line, width=100, subsequent_indent="  ") + "\n" for line in (
+        f"GGML formats (--format, --tensor-format; for --export gguf): {', '.join(formats)}",
+        f"llama.cpp mixes (--mix; for --export gguf): {', '.join(mixes)}"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose help can end with :func:`format_listing`, built only when help is printed (so
+    that parsing imports no JAX)."""
+
+    def __init__(self, *args, lists_formats: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lists_formats = lists_formats
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text + "\n" + format_listing() if self.lists_formats else text
 
 
 def default(config_class, field: str):
@@ -92,14 +118,16 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="jgptq", description="GPTQ for Mixture-of-Experts language models, with the numerics in JAX.",
+    parser = _Parser(
+        lists_formats=True, prog="jgptq",
+        description="GPTQ for Mixture-of-Experts language models, with the numerics in JAX.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"jgptq {__version__}")
     parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    q = sub.add_parser("quantize", help="quantize a local transformers model folder and export it",
+    q = sub.add_parser("quantize", lists_formats=True,
+                       help="quantize a local transformers model folder and export it",
                        description="Quantize a local transformers model folder (safetensors) with GPTQ, layer by "
                                    "layer, and export a checkpoint. Killed runs resume from the last finished layer.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -89,3 +89,19 @@ def test_traceback_is_accepted_before_or_after_the_subcommand(unloadable, where)
     assert build_parser().parse_args(["demo", "--traceback"]).traceback is True
     assert build_parser().parse_args(["--traceback", "demo"]).traceback is True
     assert build_parser().parse_args(["demo"]).traceback is False
+
+
+@pytest.mark.parametrize("command", [[], ["quantize"]])
+def test_help_lists_the_registered_ggml_formats_and_the_mixes(command, capsys):
+    from jgptq.ggml import format_names, get_format
+    from jgptq.mixes import PRESETS
+
+    with pytest.raises(SystemExit) as stop:
+        main([*command, "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())   # help text wraps lines
+    formats = [n for n in format_names() if get_format(n).encode is not None]
+    assert "q4_k" in formats and "iq2_xxs" in formats
+    assert f"GGML formats (--format, --tensor-format; for --export gguf): {', '.join(formats)} " in text
+    mixes = ", ".join(f"{mix} (on {base})" for mix, base in PRESETS.items())
+    assert f"llama.cpp mixes (--mix; for --export gguf): {mixes}" in text
