@@ -8,7 +8,8 @@
 - ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
   every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of
-  ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget; ``PipelineConfig.what()``).
+  ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget; ``PipelineConfig.what()``),
+  kept also field by field so that a refusal names the settings that changed.
 
 Every file is written under a temporary name and renamed into place, ``state.json`` last, so a run killed at any
 moment leaves the state of its last finished layer. Started again with the same model, data and configuration,
@@ -75,7 +76,30 @@ def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
             k.update(f"{name}|{what}|{arr.shape}|".encode())
             k.update(arr.tobytes())
     return {"model": h.hexdigest(), "calibration": c.hexdigest(), "config": k.hexdigest(),
-            "layers": int(layer_count), "jgptq": __version__}
+            "layers": int(layer_count), "jgptq": __version__, "settings": _flat_settings(settings)}
+
+
+def _flat_settings(settings: dict, prefix: str = "") -> dict:
+    """``cfg.what()`` as JSON values keyed by dotted field names (``quant.group_size``), kept in the state so that
+    a refusal can name the settings that changed (the ``config`` digest alone decides)."""
+    flat = {}
+    for name, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flat_settings(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = json.loads(json.dumps(value, default=str))
+    return flat
+
+
+def changed_settings(old: dict, new: dict) -> str:
+    """The settings of two fingerprints that differ, as ``"quant.format 'int' then, 'q4_k' now; ..."``; empty
+    when an older state holds none or only a given importance matrix differs."""
+    before, now = old.get("settings"), new.get("settings")
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return ""
+    missing = object()
+    names = sorted(k for k in set(before) | set(now) if before.get(k, missing) != now.get(k, missing))
+    return "; ".join(f"{k} {before.get(k)!r} then, {now.get(k)!r} now" for k in names)
 
 
 def _replace_into(path: Path, write) -> None:
@@ -135,6 +159,10 @@ class Checkpoint:
                     "config": "the quantization settings", "layers": "the number of decoder layers",
                     "jgptq": "the jgptq version"}
             reasons = ", ".join(what[k] for k in diff) or "the state format"
+            if "config" in diff:
+                changed = changed_settings(old, self.fingerprint)
+                reasons += f" ({changed})" if changed else (" (the given importance matrix)"
+                                                            if "settings" in old else "")
             raise ResumeMismatchError(
                 f"{self.dir} holds the state of another run ({reasons} differ, after {state.get('layers_done')} "
                 f"finished layers); refusing to mix them. Start over with resume=False (command line: "

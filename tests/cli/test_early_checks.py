@@ -105,3 +105,33 @@ def test_help_lists_the_registered_ggml_formats_and_the_mixes(command, capsys):
     assert f"GGML formats (--format, --tensor-format; for --export gguf): {', '.join(formats)} " in text
     mixes = ", ".join(f"{mix} (on {base})" for mix, base in PRESETS.items())
     assert f"llama.cpp mixes (--mix; for --export gguf): {mixes}" in text
+
+
+def test_resume_refusal_names_the_settings_that_differ(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from interop import resume
+    from jgptq.config import PipelineConfig
+    from tests.tiny_models import build
+
+    model = build("qwen3_moe", num_hidden_layers=1)
+    batches = [SimpleNamespace(input_ids=torch.arange(8)[None], attention_mask=torch.ones(1, 8, dtype=torch.long))]
+
+    def state_of(cfg):
+        return resume.fingerprint(model, batches, cfg, 1)
+
+    first = resume.Checkpoint(tmp_path, state_of(PipelineConfig.build(None)))
+    assert first.open() == 0
+    first.save_layer(0, {}, {}, None)
+    again = PipelineConfig.build(None, progress=False, offload="cpu")   # where and how visibly: not a setting
+    assert resume.Checkpoint(tmp_path, state_of(again)).open() == 1
+    changed = PipelineConfig.build(None, format="q4_k", group_size=32, mix="q4_k_m")
+    with pytest.raises(resume.ResumeMismatchError) as refusal:
+        resume.Checkpoint(tmp_path, state_of(changed)).open()
+    assert str(refusal.value) == (
+        f"{tmp_path} holds the state of another run (the quantization settings (mix None then, 'q4_k_m' now; "
+        f"quant.format 'int' then, 'q4_k' now; quant.group_size 128 then, 32 now) differ, after 1 finished "
+        f"layers); refusing to mix them. Start over with resume=False (command line: --no-resume), or use another "
+        f"output folder")
