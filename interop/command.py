@@ -14,9 +14,12 @@ working folder.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from jgptq.config import PipelineConfig, QuantConfig
@@ -145,6 +148,24 @@ def build_config(args, dtype: str) -> PipelineConfig:
                                 block_fallback=args.block_fallback)
 
 
+@contextlib.contextmanager
+def warnings_once():
+    """Shows each warning raised inside once, as ``jgptq: warning: MESSAGE`` on stderr, as it comes (the library
+    warns through :mod:`warnings`, which would add the calling line); yields the list of messages shown, which the
+    final summary then leaves out. The warning filters stay as they are (``-W ignore`` still silences)."""
+    shown: list = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in shown:
+            shown.append(text)
+            print(f"jgptq: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield shown
+
+
 def log(msg: str, quiet: bool = False) -> None:
     if not quiet:
         print(f"jgptq: {msg}", file=sys.stderr, flush=True)
@@ -237,14 +258,16 @@ def run_quantize(args) -> int:
         done = json.loads(state.read_text()).get("layers_done")
         log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
             args.quiet)
-    result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
-    log(f"exporting {args.export} to {files['out']}", args.quiet)
-    export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                 source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    with warnings_once() as shown:
+        result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
+        log(f"exporting {args.export} to {files['out']}", args.quiet)
+        export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                     source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
     result.report.to_json(str(files["report"]))
     layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
     shutil.rmtree(files["work"], ignore_errors=True)
-    print(result.report.summary())
+    unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
+    print(dataclasses.replace(result.report, warnings=unshown).summary())
     print(f"wrote {files['out']} ({args.export}), report {files['report']}"
           + (f", chart {files['plot']}" if files["plot"].exists() else "")
           + f" in {time.perf_counter() - t_start:.1f} s")

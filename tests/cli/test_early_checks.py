@@ -135,3 +135,27 @@ def test_resume_refusal_names_the_settings_that_differ(tmp_path):
         f"quant.format 'int' then, 'q4_k' now; quant.group_size 128 then, 32 now) differ, after 1 finished "
         f"layers); refusing to mix them. Start over with resume=False (command line: --no-resume), or use another "
         f"output folder")
+
+
+def test_each_warning_is_shown_once(tmp_path, capsys):
+    import json
+
+    from tests.cli.test_cli import CALIB
+    from interop.demo import byte_tokenizer, tiny_moe
+
+    model = tmp_path / "model"
+    tiny_moe(2, 0, hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    out = tmp_path / "out"
+    args = ["quantize", model, "--calib", CALIB, "--out", out, "--samples", 8, "--seq-len", 32, "--group-size", 32,
+            "--quiet", "--min-tokens", 100]     # every expert sees fewer tokens: a warning per experts weight
+    assert main([str(a) for a in args]) == 0
+    captured = capsys.readouterr()
+    said = json.loads(out.with_name("out.report.json").read_text())["warnings"]
+    assert len(said) == 4 and said[0].startswith(
+        "experts [0, 1, 2, 3, 4, 5, 6, 7] of model.layers.0.mlp.experts.down_proj: fewer than 100 calibration "
+        "tokens (")
+    lines = captured.err.splitlines()
+    assert all(lines.count(f"jgptq: warning: {w}") == 1 for w in said), captured.err
+    assert [line for line in lines if "warning" in line.lower()] == [f"jgptq: warning: {w}" for w in said]
+    assert not [line for line in captured.out.splitlines() if line.startswith("warning:")]
