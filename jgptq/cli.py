@@ -24,6 +24,7 @@ from jgptq.mixes import PRESETS
 from jgptq.version import __version__
 
 EXPORTS = ("compressed-tensors", "gptq", "gguf")
+DEMO_EXPORTS = ("compressed-tensors", "gptq")   # the demo quantizes to integer grids, which GGUF does not hold
 MIXES = tuple(PRESETS)
 
 EPILOG = """examples:
@@ -184,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with jgptq, quantize it with GPTQ and with round-to-nearest, compare both with "
                                    "the float model on held-out text, and export the GPTQ model.")
     d.add_argument("--out", help="output checkpoint folder (default: a new temporary folder)")
-    d.add_argument("--export", choices=EXPORTS, default="compressed-tensors",
-                   help="checkpoint format (default: compressed-tensors)")
+    d.add_argument("--export", choices=DEMO_EXPORTS, default="compressed-tensors",
+                   help="checkpoint format of the integer-grid demo (default: compressed-tensors)")
     d.add_argument("--bits", type=int, default=bits, help=f"bits per weight (default: {bits})")
     d.add_argument("--group-size", type=int, default=32, help="input columns per scale (default: 32)")
     d.add_argument("--layers", type=int, default=4, help="decoder layers of the demo model (default: 4)")

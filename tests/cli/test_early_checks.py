@@ -159,3 +159,12 @@ def test_each_warning_is_shown_once(tmp_path, capsys):
     assert all(lines.count(f"jgptq: warning: {w}") == 1 for w in said), captured.err
     assert [line for line in lines if "warning" in line.lower()] == [f"jgptq: warning: {w}" for w in said]
     assert not [line for line in captured.out.splitlines() if line.startswith("warning:")]
+
+
+def test_demo_refuses_gguf_export_while_parsing(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", "--export", "gguf"])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]     # how choices are quoted depends on the Python version
+    assert last.startswith("jgptq demo: error: argument --export: invalid choice: 'gguf' (choose from ")
+    assert last.count("gguf") == 1 and "compressed-tensors" in last and "gptq" in last
