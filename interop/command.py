@@ -209,7 +209,6 @@ def run_quantize(args) -> int:
     dtype = model_dtype(model_dir, args.dtype)
     check_calibration_options(args)
     cfg = build_config(args, dtype)
-    check_group_size(model_dir, cfg.quant, args.exclude)
     if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
@@ -218,6 +217,7 @@ def run_quantize(args) -> int:
     from interop import calib as calib_mod
 
     texts = calib_mod.read_texts(args.calib)
+    check_group_size(model_dir, cfg.quant, args.exclude)   # still before the tokenizer and the model are loaded
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
