@@ -36,19 +36,31 @@ from jgptq.export.records import GGMLWeight
 __all__ = ["export_gguf", "export_imatrix", "check_exportable", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
 
 QUANTIZATION_VERSION = 2
-# GGML format -> llama.cpp file type (``general.file_type``, informative): K formats as their "_M" mixes.
-_FILE_TYPE_ALIASES = {"q3_k": "MOSTLY_Q3_K_M", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M",
-                      "iq2_s": "MOSTLY_IQ2_M", "iq3_s": "MOSTLY_IQ3_S"}
+# ``general.file_type`` is llama.cpp's LLAMA_FTYPE of the run. A GGML format alone maps to the llama.cpp type of
+# the same name; q3_k, q4_k and q5_k have no plain type, only _S/_M/_L mixes, and _S is the one whose tensors all
+# stay in the base format but for a few early layers. A mix preset maps to the llama.cpp type it reproduces.
+_PLAIN_K_FILE_TYPES = {"q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S"}
+_FLOAT_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}
 
 
-def _file_type(formats: Counter, float_type: str) -> int:
-    if not formats:
-        return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                "bf16": gguf.LlamaFileType.MOSTLY_BF16}[float_type].value
-    main = formats.most_common(1)[0][0]
-    name = _FILE_TYPE_ALIASES.get(main, "MOSTLY_" + main.upper())
+def _file_type(formats: Counter, float_type: str, mix: str | None = None) -> int:
+    """llama.cpp's LLAMA_FTYPE (int): of ``mix`` when given, else of the dominant GGML format, else of the float
+    type; ``GUESSED`` (1024) for a format llama.cpp has no file type for."""
+    if mix is not None:
+        name = "MOSTLY_" + mix.upper()
+    elif not formats:
+        name = _FLOAT_FILE_TYPES[float_type]
+    else:
+        main = formats.most_common(1)[0][0]
+        name = _PLAIN_K_FILE_TYPES.get(main, "MOSTLY_" + main.upper())
     member = getattr(gguf.LlamaFileType, name, None)
-    return (member or gguf.LlamaFileType.GUESSED).value
+    return (gguf.LlamaFileType.GUESSED if member is None else member).value
+
+
+def _model_name(model) -> str:
+    """``general.name``: the basename of the folder or hub id the config was loaded from, else the class name."""
+    source = str(getattr(model.config, "_name_or_path", "") or "").rstrip("/\\")
+    return Path(source).name or type(model).__name__
 
 
 def _linear_view(model, param: str, tensor: torch.Tensor) -> np.ndarray:
@@ -187,7 +199,7 @@ def _output_path(out) -> Path:
 
 
 def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False, tokenizer=None,
-                float_type: str = "f16", file_type: int | None = None) -> Path:
+                float_type: str = "f16", file_type: int | None = None, name: str | None = None) -> Path:
     """Writes ``model`` (quantized by ``result``, or float) as a GGUF file llama.cpp loads.
 
     Args:
@@ -205,8 +217,11 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         ``tokenizer.ggml.model = "none"`` and ``vocab_size`` dummy tokens (llama.cpp is fed token ids directly).
       float_type: ``"f32"``, ``"f16"`` or ``"bf16"`` for every 2-D weight without a record (norms and routers
         are always f32).
-      file_type: ``general.file_type`` (a llama.cpp LLAMA_FTYPE value); default: from the records' dominant
-        format, or ``float_type``.
+      file_type: ``general.file_type`` (a llama.cpp LLAMA_FTYPE value); default: the mix preset of
+        ``result.config.mix`` (q4_k_m -> MOSTLY_Q4_K_M), else the records' dominant format under its plain
+        llama.cpp type (q8_0 -> MOSTLY_Q8_0; q3_k/q4_k/q5_k -> their _S type), else ``float_type``.
+      name: ``general.name``; default: the basename of ``model.config._name_or_path`` (the folder the model was
+        loaded from), else the model's class name.
     Returns:
       The path written.
     Raises:
@@ -259,9 +274,12 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     if spec.output_required and not any(t.name == "output.weight" for t in tensors):
         raise UnsupportedGGUFModel(f"{type(model).__name__}: llama.cpp's {spec.name} needs an output head")
 
-    meta = {gguf.Keys.General.NAME: type(model).__name__}
+    if file_type is None:
+        mix = getattr(getattr(result, "config", None), "mix", None)
+        file_type = _file_type(formats, float_type, mix if formats else None)
+    meta = {gguf.Keys.General.NAME: name or _model_name(model)}
     meta.update(metadata(model, spec))
-    meta[gguf.Keys.General.FILE_TYPE] = int(file_type if file_type is not None else _file_type(formats, float_type))
+    meta[gguf.Keys.General.FILE_TYPE] = int(file_type)
     meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
     meta.update(vocab)
     return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)

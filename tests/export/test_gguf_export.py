@@ -90,7 +90,33 @@ def test_quantized_export_round_trip(family, tmp_path):
     if family == "qwen3_moe":
         assert field(reader, "qwen3moe.expert_feed_forward_length") == cfg.moe_intermediate_size
         assert field(reader, "qwen3moe.attention.key_length") == cfg.head_dim
-        assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+        assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_S
+
+
+@pytest.mark.parametrize("fmt, mix, file_type", [
+    ("q4_k", None, 14),      # llama.cpp's Q4_K_S: a plain q4_k run, not the Q4_K_M mix
+    ("q4_k", "q4_k_m", 15),  # MOSTLY_Q4_K_M
+    ("q8_0", None, 7),       # MOSTLY_Q8_0
+    ("q6_k", "q6_k", 18),    # MOSTLY_Q6_K
+])
+def test_file_type_of_the_run(fmt, mix, file_type, tmp_path):
+    model = tiny("qwen3_moe", seed=1)
+    result = quantize_in_place(model, fmt)
+    result.config = types.SimpleNamespace(mix=mix)
+    reader, _ = read(export_gguf(model, result, tmp_path / "m.gguf"))
+    assert field(reader, "general.file_type") == file_type
+
+
+def test_general_name_from_the_source_folder(tmp_path):
+    model = tiny("qwen3_moe", seed=1)
+    model.config._name_or_path = str(tmp_path / "models" / "Tiny-MoE-7B") + "/"
+    reader, _ = read(export_gguf(model, None, tmp_path / "a.gguf"))
+    assert field(reader, "general.name") == "Tiny-MoE-7B"
+    reader, _ = read(export_gguf(model, None, tmp_path / "b.gguf", name="given"))
+    assert field(reader, "general.name") == "given"
+    model.config._name_or_path = ""
+    reader, _ = read(export_gguf(model, None, tmp_path / "c.gguf"))
+    assert field(reader, "general.name") == "Qwen3MoeForCausalLM"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
