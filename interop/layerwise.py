@@ -53,16 +53,11 @@ from interop.dlpack import to_torch
 from interop.inputs import capture_inputs, run_layer
 from interop.report import ModuleRecord, QuantizeResult, Report
 from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
+from interop.progress import LayerProgress, stage_bar
 from interop.stores import Stores
 from jgptq import plan as plan_mod
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
-
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # progress bars are optional
-    def tqdm(iterable, **kwargs):
-        return iterable
 
 
 @dataclasses.dataclass
@@ -215,10 +210,11 @@ def _run_layers(run: _Run, ckpt, start: int) -> None:
             hidden = ckpt.load_hidden(start, run.device)
         report.add_time(start, "capture", time.perf_counter() - t0)
         placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device))
-    for i in tqdm(range(start, n), desc="jgptq layers", disable=not run.cfg.progress, initial=start, total=n):
+    progress = LayerProgress(start, n, enabled=run.cfg.progress)
+    for i in progress:
         layer = _timed_move(run, i, placement.fetch)
         marks, before = (len(report.records), len(report.warnings)), set(run.result.weights)
-        hidden = _layer_step(run, i, layer, hidden, layer_inputs)
+        hidden = _layer_step(run, i, layer, hidden, layer_inputs, stage=progress.stage)
         _timed_move(run, i, placement.put_back)
         if ckpt is not None:
             run.stores.collect(run.result.weights, report)
@@ -236,15 +232,20 @@ def _timed_move(run: _Run, i: int, move):
     return out
 
 
-def _layer_step(run: _Run, i: int, layer, hidden: list, layer_inputs: list) -> list:
-    """One decoder layer: calibrate -> solve -> write back -> replay. Returns the next layer's inputs."""
+def _layer_step(run: _Run, i: int, layer, hidden: list, layer_inputs: list, stage=lambda name: None) -> list:
+    """One decoder layer: calibrate -> solve -> write back -> replay, each named to ``stage`` as it starts.
+    Returns the next layer's inputs."""
     target = run.targets[i]
+    stage("compile")
     warm = _warm_up(run, target)
+    stage("calibrate")
     collector = _calibrate(run, i, layer, hidden, layer_inputs)
+    stage("solve")
     solved = _solve(run, i, collector, warm)
     _write_back(run, i, solved)
     if i == len(run.layers) - 1:
         return hidden
+    stage("replay")
     return _replay(run, i, layer, hidden, layer_inputs)
 
 
@@ -265,8 +266,7 @@ def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list):
     t0 = time.perf_counter()
     if target.linears or target.experts:
         with collector.attach():
-            for b, batch in enumerate(tqdm(run.batch_list, desc=f"layer {i} calibrate", leave=False,
-                                           disable=not cfg.progress)):
+            for b, batch in enumerate(stage_bar(run.batch_list, desc=f"layer {i} calibrate", enabled=cfg.progress)):
                 rest, kw = layer_inputs[b][i]
                 with collector.batch(batch.attention_mask.to(hidden[b].device)):
                     run_layer(layer, hidden[b], rest, kw)
@@ -320,7 +320,7 @@ def _replay(run: _Run, i: int, layer, hidden: list, layer_inputs: list) -> list:
     """The quantized layer's outputs on every batch: the next layer's inputs."""
     t0 = time.perf_counter()
     out = []
-    for b, hs in enumerate(tqdm(hidden, desc=f"layer {i} replay", leave=False, disable=not run.cfg.progress)):
+    for b, hs in enumerate(stage_bar(hidden, desc=f"layer {i} replay", enabled=run.cfg.progress)):
         rest, kw = layer_inputs[b][i]
         out.append(run_layer(layer, hs, rest, kw))
     run.report.add_time(i, "replay", time.perf_counter() - t0)

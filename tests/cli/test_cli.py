@@ -214,3 +214,40 @@ def test_quantize_to_gguf_writes_the_blocks_the_run_chose(model_dir, env, tmp_pa
     source = load_file(str(next(Path(model_dir).glob("*.safetensors"))))
     norm = next(t for t in reader.tensors if t.name == "blk.2.attn_norm.weight")
     np.testing.assert_array_equal(np.asarray(norm.data), source["model.layers.2.input_layernorm.weight"])
+
+
+def test_progress_in_a_log_file_is_one_line_per_layer(model_dir, env, tmp_path):
+    import re
+
+    args = [a for a in quantize_args(model_dir, tmp_path / "out", "--format", "q8_0", "--export", "gguf")
+            if a != "--quiet"]
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:   # a file, not a terminal
+        done = subprocess.run([sys.executable, "-m", "jgptq", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                              stderr=err, text=True, timeout=300, cwd=ROOT)
+    text = log.read_text()
+    assert done.returncode == 0, text[-3000:]
+    assert "\r" not in text and "calibrate" not in text and "replay" not in text
+    layer_lines = [line for line in text.splitlines() if line.startswith("jgptq layers")]
+    assert [re.sub(r"in \d+\.\d s", "in T s", line) for line in layer_lines] == [
+        "jgptq layers: 1/3 (layer 0 in T s)", "jgptq layers: 2/3 (layer 1 in T s)",
+        "jgptq layers: 3/3 (layer 2 in T s)"]
+
+
+def test_progress_on_a_terminal_names_the_stage(monkeypatch):
+    import io
+
+    from interop.progress import LayerProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    progress = LayerProgress(1, 3)
+    for i in progress:
+        progress.stage("solve")
+    text = screen.getvalue()
+    assert "layer 1 solve" in text and "layer 2 solve" in text and "3/3" in text
+    assert "jgptq layers: 2/3 (layer" not in text   # the bar, not log lines
