@@ -1,7 +1,13 @@
-"""Dead columns, damping, and the upper Cholesky factor of the inverse Hessian, with a recorded fallback ladder.
+"""Dead columns, damping, and the triangular factor of the damped Hessian, with a recorded fallback ladder.
 
-GPTQ needs ``U``, the upper triangular factor with ``H^-1 = U^T U``. It is computed as the reference
-implementations do: ``L = chol(H + lambda I)``, ``H^-1`` from ``L``, then ``U = chol(H^-1)^T``.
+GPTQ is usually written with ``U``, the upper triangular factor with ``H^-1 = U^T U``, which the reference
+implementations compute as ``L = chol(H + lambda I)``, ``H^-1`` from ``L``, then ``U = chol(H^-1)^T``: a Cholesky,
+a triangular inverse, a product and a second Cholesky. The same ``U`` is the inverse of ``T``, the upper
+triangular factor with ``H = T T^T`` (the Cholesky factor of ``H`` with its rows and columns taken in reverse
+order: ``J H J = M M^T`` gives ``T = J M J``; ``U = T^-1`` has a positive diagonal, and the Cholesky factor of
+``H^-1`` is unique). :func:`hessian_factor` computes only ``T``, one Cholesky; the solver needs ``U`` only on its
+diagonal blocks, which are the inverses of ``T``'s (:func:`diagonal_block_inverses`), and works with ``T`` for
+the rest (:mod:`jgptq.gptq`).
 
 JAX's Cholesky returns NaNs instead of raising on a matrix that is not positive definite, so success is tested
 explicitly (every entry of the factor finite) and a ladder of stages is tried in order inside a
@@ -24,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-class InverseFactor(NamedTuple):
-    """Upper factor of the inverse Hessian and how it was obtained.
+class Factor(NamedTuple):
+    """Upper triangular factor of the damped Hessian and how it was obtained.
 
     Attributes:
-      upper: float32 (C, C), upper triangular, ``H^-1 = upper^T @ upper`` (identity on fallback).
+      upper: float32 (C, C), upper triangular ``T`` with ``H + damping = T @ T^T`` (identity on fallback).
       damp_used: float32 scalar, the relative damping of the successful stage.
       floor_used: float32 scalar, the absolute diagonal floor of the successful stage (0 if none).
       stage: int32 scalar, index of the successful ladder stage (0 = the configured damping).
@@ -75,16 +81,24 @@ def fix_dead_columns(hessian: jax.Array, weight: jax.Array, zero_weight: bool = 
     return hessian, weight, dead
 
 
-def _upper_inverse_factor(h: jax.Array) -> jax.Array:
-    eye = jnp.eye(h.shape[-1], dtype=h.dtype)
-    lower = jnp.linalg.cholesky(h)
-    lower_inv = jax.scipy.linalg.solve_triangular(lower, eye, lower=True)
-    h_inv = lower_inv.T @ lower_inv
-    return jnp.linalg.cholesky(h_inv).T
+def _reversed_cholesky(h: jax.Array) -> jax.Array:
+    return jnp.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
 
 
-def inverse_factor(hessian: jax.Array, damp: float) -> InverseFactor:
-    """``U`` with ``(H + damping)^-1 = U^T U`` through the ladder of :func:`ladder` (see module docstring).
+def diagonal_block_inverses(upper: jax.Array, block: int) -> jax.Array:
+    """The inverses of the (block, block) diagonal blocks of an upper triangular (C, C) matrix, C a multiple of
+    ``block``: float32 (C / block, block, block). For ``upper = T`` these are the diagonal blocks of ``U = T^-1``.
+    """
+    n = upper.shape[-1] // block
+    blocks = jnp.moveaxis(jnp.diagonal(upper.reshape(n, block, n, block), axis1=0, axis2=2), -1, 0)
+    eye = jnp.broadcast_to(jnp.eye(block, dtype=upper.dtype), blocks.shape)
+    with jax.default_matmul_precision("highest"):
+        return jax.scipy.linalg.solve_triangular(blocks, eye, lower=False)
+
+
+def hessian_factor(hessian: jax.Array, damp: float) -> Factor:
+    """``T`` (upper triangular) with ``H + damping = T T^T`` through the ladder of :func:`ladder` (see module
+    docstring); ``T^-1`` is GPTQ's ``U`` (``(H + damping)^-1 = U^T U``).
 
     Args:
       hessian: float32 (C, C), symmetric, dead columns already fixed (:func:`fix_dead_columns`).
@@ -102,7 +116,7 @@ def inverse_factor(hessian: jax.Array, damp: float) -> InverseFactor:
             diag = jnp.where(floors[k] < 0, diag0, jnp.maximum(diag0 + f, f))
             diag = diag + damps[k] * jnp.mean(diag)
             h = hessian - jnp.diag(diag0) + jnp.diag(diag)
-            u = _upper_inverse_factor(h)
+            u = _reversed_cholesky(h)
             return u, jnp.all(jnp.isfinite(u)), f
 
         def cond(carry):
@@ -120,4 +134,4 @@ def inverse_factor(hessian: jax.Array, damp: float) -> InverseFactor:
         eye = jnp.eye(hessian.shape[-1], dtype=hessian.dtype)
         upper = jnp.where(ok, u, eye)
         damp_used = jnp.where(ok, damps[jnp.clip(stage, 0, n_stages - 1)], jnp.nan)
-        return InverseFactor(upper, damp_used, jnp.where(ok, f, jnp.nan), stage, ~ok)
+        return Factor(upper, damp_used, jnp.where(ok, f, jnp.nan), stage, ~ok)

@@ -4,16 +4,25 @@ Pure functions of ``(W, H, config)``; vmappable over a leading expert axis (:fun
 
 Algorithm (columns in the solve order ``perm``, see :mod:`jgptq.act_order`):
 
-1. dead columns fixed (:func:`jgptq.damping.fix_dead_columns`); ``U`` = upper factor of the damped inverse
-   Hessian through the damping ladder (:func:`jgptq.damping.inverse_factor`);
-2. columns are visited in blocks of ``block_size``; inside a block,
+1. dead columns fixed (:func:`jgptq.damping.fix_dead_columns`); ``T`` = upper triangular factor of the damped
+   Hessian, ``H = T T^T``, through the damping ladder (:func:`jgptq.damping.hessian_factor`); GPTQ's usual
+   ``U`` (``H^-1 = U^T U``) is ``T^-1``, needed only on the diagonal blocks (``U_bb = T_bb^-1``, small triangular
+   inverses), so no inverse Hessian is ever formed;
+2. columns are visited in blocks of ``block_size``; a block starts from its original columns plus what the
+   earlier blocks' rounding asks of it, ``W_b + (sum over earlier blocks of D_a T[a, b]) U_bb`` with
+   ``D_a = W_a - Q_a`` (the original weight minus its quantized value); inside a block,
    - scalar grids (``format="int"``), one column at a time: ``q = Q(w)``, ``err = (w - q) / U[j, j]``,
      ``W[:, j:] -= err U[j, j:]`` (restricted to the block); a group's grid is fitted when the solve reaches the
      group's first column, from the error-updated weights (lazy), or once from the original weight (static);
    - block codecs (GGML formats), one format block of G columns at a time: ``Q_g = decode(encode(W_g))`` jointly,
      ``E = (W_g - Q_g) U_gg^-1`` (triangular solve), ``W[:, rest of block] -= E U[g, rest]``; the encoded bytes
      are kept (re-encoding the decoded weight would not give them back);
-3. after each block, the columns to its right receive the block's errors at once: ``W -= E_block U[block, :]``.
+3. after each block, one product adds ``D_b T[b, :]`` to the running sum of the columns to its right.
+
+This is GPTQ exactly (the same sequence of roundings as the textbook update ``W -= E_block U[block, :]``, by
+``U T = I``: the textbook's running weights and these agree on every column when it is quantized), written
+with the Hessian's own factor as in the nearest-plane view of GPTQ: one Cholesky instead of a Cholesky, a
+triangular inverse, a product and a second Cholesky.
 
 On CUDA GPUs the in-block loop of integer grids is a fused Pallas kernel (:mod:`jgptq.kernels.inblock`;
 ``JGPTQ_SOLVER_KERNEL=xla|pallas`` forces a path). Every loop is a ``lax.fori_loop``, so compile time does
@@ -143,15 +152,16 @@ def _solve_highest(weight, hessian, importance, config, codec):
     h, w, dead = damping.fix_dead_columns(hessian.astype(jnp.float32), w, config.zero_dead_columns)
 
     perm = act_order.column_order(jnp.diagonal(h), config)
-    inv = damping.inverse_factor(h[perm][:, perm], config.damp)
+    inv = damping.hessian_factor(h[perm][:, perm], config.damp)
     pad = plan.padded - cols
     upper = inv.upper
     if pad:
         upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
             jnp.concatenate([jnp.zeros(cols, jnp.float32), jnp.ones(pad, jnp.float32)]))
     perm_p = jnp.concatenate([perm, jnp.arange(cols, plan.padded, dtype=jnp.int32)])
-    # Transposed, permuted, padded working copy: row i of ``wt`` is the i-th column to solve.
+    # Transposed, permuted, padded original weight: row i of ``wt`` is the i-th column to solve.
     wt = jnp.pad(w[:, perm].T, ((0, pad), (0, 0)))
+    u_blocks = damping.diagonal_block_inverses(upper, plan.block)
 
     if codec is not None:
         type_size = codec.type_size
@@ -223,10 +233,11 @@ def _solve_highest(weight, hessian, importance, config, codec):
     kernel = None if codec is not None else inblock.in_block_solver(config, block, group, plan.lazy)
 
     def block_step(b, carry):
-        wt, qt, loss, extra = carry
+        pull, qt, loss, extra = carry
         b0 = b * block
+        ub = u_blocks[b]
         wb = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)
-        ub = jax.lax.dynamic_slice(upper, (b0, b0), (block, block))
+        wb = wb + ub.T @ jax.lax.dynamic_slice_in_dim(pull, b0, block, axis=0)
         def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
             zeros = jnp.zeros_like(wb)
             _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
@@ -234,14 +245,15 @@ def _solve_highest(weight, hessian, importance, config, codec):
             return qb, eb, extra
         qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
-        # Lazy update of everything to the right of the block (U is upper triangular: columns to the left get 0).
-        wt = wt - jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ eb
+        # What this block's rounding asks of every later column (T is upper triangular: earlier columns get 0).
+        diff = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0) - qb
+        pull = pull + jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ diff
         qt = jax.lax.dynamic_update_slice_in_dim(qt, qb, b0, axis=0)
-        return wt, qt, loss, extra
+        return pull, qt, loss, extra
 
     qt0 = jnp.zeros_like(wt)
     _, qt, loss, extra = jax.lax.fori_loop(0, plan.padded // block, block_step,
-                                           (wt, qt0, jnp.zeros((), jnp.float32), state_extra))
+                                           (jnp.zeros_like(wt), qt0, jnp.zeros((), jnp.float32), state_extra))
 
     inv_perm = jnp.argsort(perm).astype(jnp.int32)
     weight_q = qt[:cols].T[:, inv_perm]

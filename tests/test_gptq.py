@@ -207,12 +207,12 @@ def count_equations(jaxpr) -> int:
 def test_compiled_program_does_not_grow_with_width(rng):
     cfg = QuantConfig(group_size=32, act_order="desc")
     sizes = []
-    for cols in (128, 1024):
+    for cols in (256, 1024, 4096):  # (one block is a special case: its diagonal-block stack has length 1)
         w = jax.ShapeDtypeStruct((16, cols), jnp.float32)
         h = jax.ShapeDtypeStruct((cols, cols), jnp.float32)
         jaxpr = jax.make_jaxpr(lambda a, b: gptq.solve_unchecked(a, b, None, cfg))(w, h)
         sizes.append(count_equations(jaxpr.jaxpr))
-    assert sizes[0] == sizes[1]
+    assert sizes[0] == sizes[1] == sizes[2]
 
 
 def test_bad_inputs(rng):
