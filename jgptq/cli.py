@@ -206,12 +206,12 @@ def _eval_parser(sub) -> None:
     from jgptq.evaluation import DEFAULT_N_CTX
 
     e = sub.add_parser("eval", help="KL to the float model, top-1 agreement and perplexity of a quantized model",
-                       description="Compare a quantized model with its float model on held-out text as "
+                       description=textwrap.fill("Compare a quantized model with its float model on held-out text as "
                                    "llama-perplexity --kl-divergence does: windows of --n-ctx tokens, each from an "
                                    "empty context, the second half of each scored. Prints KL(float || quantized) "
                                    "(mean with standard error, median, p90, p99, max), the top-1 agreement and both "
                                    "perplexities. GGUF files run in llama.cpp (pip install llama-cpp-python); give "
-                                   "an F32 GGUF of the float model as --float for a like-for-like comparison.",
+                                   "an F32 GGUF of the float model as --float for a like-for-like comparison.", width=100),
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("quantized", metavar="QUANTIZED", help="quantized model: a jgptq output folder or a .gguf file")
     e.add_argument("--float", dest="float_model", required=True, metavar="MODEL",
