@@ -80,12 +80,13 @@ def _quantize_jgptq(folder, calib, fmt, method, batch_size, imatrix=None):
 
 
 def _evaluate(path, windows, ref, threads):
-    from benchmarks.quality import kl, llama_side
+    from interop import llama_logits
+    from jgptq import evaluation
 
     t0 = time.perf_counter()
-    logits = llama_side.logits(path, windows, threads=threads)
-    per_token = kl.window_stats(ref, logits, windows)
-    stats = kl.summarize(per_token)
+    logits = llama_logits.logits(path, windows, threads=threads)
+    per_token = evaluation.window_stats(ref, logits, windows)
+    stats = evaluation.summarize(per_token)
     stats["eval_s"] = time.perf_counter() - t0
     return stats, per_token["kl"]
 
@@ -143,11 +144,13 @@ def main(argv=None):
     import jgptq  # noqa: F401  (sets the JAX allocator before JAX starts)
     import torch
 
-    from benchmarks.quality import corpus, kl, llama_side, lm
+    from benchmarks.quality import corpus, llama_side, lm
     from benchmarks.quality.imatrix_io import llama_imatrix
+    from interop import llama_logits
     from interop.gguf_export import export_gguf
+    from jgptq import evaluation
 
-    if not llama_side.available():
+    if not llama_logits.available():
         raise SystemExit("gguf_quality needs llama-cpp-python (the llama_cpp package)")
     formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in llama_side.FTYPES]
@@ -162,7 +165,7 @@ def main(argv=None):
     folder = info["folder"]
     held = corpus.windows(splits.tokens["heldout"], args.n_ctx, args.windows or None)
     calib = torch.from_numpy(corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs))
-    first = kl.first_scored(args.n_ctx)
+    first = evaluation.first_scored(args.n_ctx)
     torch_loss = lm.mean_loss(model, held, first=first)
     out = {"benchmark": "gguf_quality", "description": __doc__,
            "corpus": {"source": "pydoc_data.topics (sorted keys, joined by blank lines, UTF-8)", "sha256": digest,
@@ -185,12 +188,12 @@ def main(argv=None):
     try:
         f32 = os.path.join(work, "float-f32.gguf")
         export_gguf(model, None, f32, overwrite=True, float_type="f32")
-        ref = llama_side.logits(f32, held, threads=args.threads)
+        ref = llama_logits.logits(f32, held, threads=args.threads)
         with torch.no_grad():  # the F32 GGUF in llama.cpp against the torch model it was written from
             check = model(input_ids=torch.from_numpy(held[:4])).logits.float().numpy()
         out["evaluation"]["float_llama_vs_torch_max_abs_logit_diff"] = float(np.abs(check - ref[:4]).max())
         out["evaluation"]["float_logit_scale"] = float(np.abs(check).max())
-        float_stats = kl.summarize(kl.window_stats(ref, ref, held))
+        float_stats = evaluation.summarize(evaluation.window_stats(ref, ref, held))
         out["evaluation"].update({"llama_float_ppl": float_stats["ppl"],
                                   "llama_float_loss_nats": math.log(float_stats["ppl"])})
         for fmt in formats:

@@ -1,7 +1,8 @@
 """``jgptq quantize``: a local transformers model folder in, a quantized checkpoint folder out.
 
 :mod:`jgptq.cli` parses the options and enters the torch side through :func:`run` alone, which runs
-:func:`run_quantize` or ``jgptq demo`` (:func:`interop.demo.run_demo`).
+:func:`run_quantize`, ``jgptq demo`` (:func:`interop.demo.run_demo`) or ``jgptq eval``
+(:func:`interop.evaluate.run_eval`).
 
 Steps: check every input (model folder, calibration, output, that the exporter can hold the format) before any
 work; load the tokenizer and the model (safetensors only; remote code only when asked); cut the calibration text
@@ -192,8 +193,12 @@ def layer_loss_chart(report, path, title: str) -> None:
 
 
 def run(args) -> int:
-    """Runs a parsed command line of :mod:`jgptq.cli` (``args.command``: ``"quantize"`` or ``"demo"``); returns
-    the exit status. The command line's one door into the torch side."""
+    """Runs a parsed command line of :mod:`jgptq.cli` (``args.command``: ``"quantize"``, ``"demo"`` or
+    ``"eval"``); returns the exit status. The command line's one door into the torch side."""
+    if args.command == "eval":
+        from interop.evaluate import run_eval
+
+        return run_eval(args)
     if args.command == "demo":
         from interop.demo import run_demo
 

@@ -2,10 +2,11 @@
 
 1. builds a small Qwen3-MoE model with random weights (no download) and a byte-level tokenizer (256 tokens);
 2. cuts the text shipped in ``jgptq/data/calibration.txt`` into 128-byte windows: the first 80 % calibrate,
-   the last 20 % are held out;
+   the last 20 % are held out (:func:`jgptq.evaluation.demo_texts`, also ``jgptq eval``'s default text);
 3. quantizes one copy with GPTQ and one with round-to-nearest (RTN) on the same grids;
-4. compares both with the float model on the held-out text: next-token KL divergence, top-1 agreement, and the
-   relative error of every decoder layer's output;
+4. compares both with the float model on the held-out text: next-token KL divergence and top-1 agreement at every
+   position that has a next token (:func:`jgptq.evaluation.token_stats`), and the relative error of every decoder
+   layer's output;
 5. exports the GPTQ model (compressed-tensors by default) with its tokenizer, writes the report and a per-layer
    chart beside it, and loads the checkpoint back with transformers to check that it holds the quantized model.
 """
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.resources
 import importlib.util
 import sys
 import tempfile
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HELD_OUT_FRACTION = 0.2
 SEQ_LEN = 128
 
 
@@ -60,11 +59,6 @@ def tiny_moe(layers: int = 4, seed: int = 0, **overrides):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
 
 
-def demo_text() -> str:
-    """The calibration text shipped with jgptq."""
-    return (importlib.resources.files("jgptq") / "data" / "calibration.txt").read_text(encoding="utf-8")
-
-
 def _layer_outputs(model, ids) -> tuple:
     """(logits float64 (N, S, V), [output of every decoder layer]) of one forward."""
     from interop.models import find_decoder_layers
@@ -83,15 +77,18 @@ def _layer_outputs(model, ids) -> tuple:
     return logits, outs
 
 
-def compare(reference, quantized) -> dict:
-    """Next-token KL(reference || quantized) (mean over positions), top-1 agreement and per-layer relative output
-    error ||y_q - y||^2 / ||y||^2, from two :func:`_layer_outputs` results."""
+def compare(reference, quantized, ids) -> dict:
+    """Next-token KL(reference || quantized) and top-1 agreement (means over every position of ``ids`` (N, S) that
+    has a next token, by :func:`jgptq.evaluation.token_stats`), and per-layer relative output error
+    ||y_q - y||^2 / ||y||^2, from two :func:`_layer_outputs` results."""
+    from jgptq.evaluation import token_stats
+
     (lf, hf), (lq, hq) = reference, quantized
-    p, q = torch.log_softmax(lf, -1), torch.log_softmax(lq, -1)
-    kl = float((p.exp() * (p - q)).sum(-1).mean())
-    agree = float((lf.argmax(-1) == lq.argmax(-1)).double().mean())
+    vocab = lf.shape[-1]
+    stats = token_stats(lf[:, :-1].reshape(-1, vocab).numpy(), lq[:, :-1].reshape(-1, vocab).numpy(),
+                        ids[:, 1:].reshape(-1).numpy())
     err = [float(((b - a) ** 2).sum() / (a**2).sum()) for a, b in zip(hf, hq)]
-    return {"kl": kl, "top1": agree, "layer_error": err}
+    return {"kl": float(stats["kl"].mean()), "top1": float(stats["same_top"].mean()), "layer_error": err}
 
 
 def _mean_loss_by_layer(report, layers: int) -> list:
@@ -113,6 +110,7 @@ def run_demo(args) -> int:
     from interop.export import check_format, export_model
     from interop.layerwise import quantize_moe
     from jgptq.config import PipelineConfig
+    from jgptq.evaluation import HELD_OUT_FRACTION, demo_texts
     from jgptq.plot import line_chart
 
     t_start = time.perf_counter()
@@ -125,10 +123,9 @@ def run_demo(args) -> int:
     files = paths_for(out)
 
     tokenizer = byte_tokenizer()
-    text = demo_text()
-    cut = text.rfind("\n\n", 0, int(len(text) * (1 - HELD_OUT_FRACTION)))
-    calib = calib_mod.token_windows([text[:cut]], tokenizer, SEQ_LEN, args.samples)
-    held = calib_mod.token_windows([text[cut:].strip()], tokenizer, SEQ_LEN, 10**6)
+    calib_text, held_text = demo_texts()
+    calib = calib_mod.token_windows([calib_text], tokenizer, SEQ_LEN, args.samples)
+    held = calib_mod.token_windows([held_text], tokenizer, SEQ_LEN, 10**6)
     model = tiny_moe(args.layers, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model)
@@ -142,7 +139,7 @@ def run_demo(args) -> int:
         result = quantize_moe(target, calib, cfg, method=method)
         runs[method] = (target, result, time.perf_counter() - t0)
     float_out = _layer_outputs(reference, held)
-    scores = {m: compare(float_out, _layer_outputs(target, held)) for m, (target, _, _) in runs.items()}
+    scores = {m: compare(float_out, _layer_outputs(target, held), held) for m, (target, _, _) in runs.items()}
 
     gptq_model, gptq_result, _ = runs["gptq"]
     log(f"exporting {args.export} to {out}", args.quiet)

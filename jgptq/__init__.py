@@ -7,13 +7,16 @@
 - :func:`export_model` writes that result as a checkpoint (compressed-tensors, GPTQ v1 or GGUF);
   :func:`export_gguf` also writes a float model, :func:`check_exportable` refuses up front what the GGUF writer
   would refuse, :func:`export_imatrix` writes a run's importance statistic for ``llama-quantize --imatrix``;
+- :func:`evaluate` compares a quantized checkpoint (a jgptq output folder or a GGUF file) with its float model on
+  held-out text as llama-perplexity does (KL, top-1 agreement, perplexities); it returns an :class:`Evaluation`;
 - :func:`load_layer` and :func:`reload_all` load the layers a run with ``offload="disk", reload=False`` left in
   its layer files;
 - :class:`QuantConfig`, :class:`MoEConfig`, :class:`PipelineConfig`: the configuration;
 - the errors a run raises on bad input, all subclasses of ``ValueError``: :class:`UnsupportedModelError` (a model
   layout jgptq cannot see into), :class:`ResumeMismatchError` (a resume state of another run),
   :class:`DeviceBudgetError` (a layer over ``device_budget``), :class:`ExportError` (a result the export format
-  cannot hold), :class:`UnsupportedGGUFModel` (a model family or setting the GGUF writer does not support).
+  cannot hold), :class:`UnsupportedGGUFModel` (a model family or setting the GGUF writer does not support),
+  :class:`EvaluationError` (bad input to :func:`evaluate`).
 
 The pure JAX functions live in the submodules: :mod:`jgptq.hessian`, :mod:`jgptq.gptq`,
 :mod:`jgptq.quantizers`, :mod:`jgptq.ggml`, :mod:`jgptq.parallel`, :mod:`jgptq.flax`, :mod:`jgptq.export`; the
@@ -60,6 +63,9 @@ _PUBLIC = {
     "export_gguf": "interop.gguf_export",
     "export_imatrix": "interop.gguf_export",
     "check_exportable": "interop.gguf_export",
+    "evaluate": "interop.evaluate",
+    "Evaluation": "jgptq.evaluation",
+    "EvaluationError": "jgptq.evaluation",
     "load_layer": "interop.layer_files",
     "reload_all": "interop.layer_files",
     "QuantizeResult": "interop.report",

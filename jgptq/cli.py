@@ -2,6 +2,7 @@
 
     jgptq demo                                   # a tiny MoE model, GPTQ against round-to-nearest, in seconds
     jgptq quantize MODEL_DIR --calib text.txt --out OUT [--export compressed-tensors] [--bits 4 ...]
+    jgptq eval QUANTIZED --float MODEL_DIR [--text held_out.txt] [--json out.json]
 
 ``jgptq quantize`` quantizes a local transformers model folder (safetensors weights) with GPTQ, layer by layer,
 and writes a checkpoint that serving stacks load. A run that is killed continues from its last finished layer
@@ -34,6 +35,8 @@ EPILOG = """examples:
   jgptq quantize ./model --calib texts/ --out ./model-w3 --bits 3 --asym --calibration all_experts --device cuda
   jgptq quantize ./big-model --calib calib.txt --out ./big-w4 --offload disk --device-budget 40GB
   jgptq quantize ./model --calib calib.txt --out ./model-Q4_K_M.gguf --export gguf --mix q4_k_m
+  jgptq eval ./Qwen3-30B-A3B-w4g128 --float ./Qwen3-30B-A3B --text held_out.txt --json eval.json
+  jgptq eval ./model-Q4_K_M.gguf --float ./model-f32.gguf --text held_out.txt
 """
 
 
@@ -195,7 +198,43 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true", help="replace an existing output")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     _traceback_option(d)
+    _eval_parser(sub)
     return parser
+
+
+def _eval_parser(sub) -> None:
+    from jgptq.evaluation import DEFAULT_N_CTX
+
+    e = sub.add_parser("eval", help="KL to the float model, top-1 agreement and perplexity of a quantized model",
+                       description=textwrap.fill("Compare a quantized model with its float model on held-out text as "
+                                   "llama-perplexity --kl-divergence does: windows of --n-ctx tokens, each from an "
+                                   "empty context, the second half of each scored. Prints KL(float || quantized) "
+                                   "(mean with standard error, median, p90, p99, max), the top-1 agreement and both "
+                                   "perplexities. GGUF files run in llama.cpp (pip install llama-cpp-python); give "
+                                   "an F32 GGUF of the float model as --float for a like-for-like comparison.", width=100),
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("quantized", metavar="QUANTIZED", help="quantized model: a jgptq output folder or a .gguf file")
+    e.add_argument("--float", dest="float_model", required=True, metavar="MODEL",
+                   help="its float model: a transformers folder, or a float .gguf file")
+    e.add_argument("--text", metavar="FILE_OR_DIR",
+                   help="held-out text: a UTF-8 file or a folder of .txt files (default: jgptq's held-out demo "
+                        "text, a quick check only)")
+    e.add_argument("--n-ctx", type=int, default=DEFAULT_N_CTX,
+                   help=f"tokens per window (default: {DEFAULT_N_CTX}, llama-perplexity's)")
+    e.add_argument("--windows", type=int, help="evaluate at most this many windows (default: all the text gives)")
+    e.add_argument("--tokenizer", metavar="DIR",
+                   help="tokenizer folder (default: the float model folder, else the quantized one, else the float "
+                        "GGUF's vocabulary)")
+    e.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    e.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    e.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="dtype transformers folders load in (default: auto, the checkpoint's)")
+    e.add_argument("--batch-size", type=int, default=4, help="windows per torch forward (default: 4)")
+    e.add_argument("--threads", type=int, help="llama.cpp threads (default: every core)")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model folders' own Python code to run (off unless given)")
+    e.add_argument("--quiet", action="store_true", help="no progress messages")
+    _traceback_option(e)
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,9 @@ FACE = {
     "DeviceBudgetError": ("interop.offload", "DeviceBudgetError"),
     "ExportError": ("interop.export", "ExportError"),
     "UnsupportedGGUFModel": ("interop.gguf_arch", "UnsupportedGGUFModel"),
+    "evaluate": ("interop.evaluate", "evaluate"),
+    "Evaluation": ("jgptq.evaluation", "Evaluation"),
+    "EvaluationError": ("jgptq.evaluation", "EvaluationError"),
 }
 ERRORS = [name for name in FACE if name.endswith("Error") or name.startswith("Unsupported")]
 

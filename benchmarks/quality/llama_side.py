@@ -6,7 +6,9 @@
   ``params.imatrix`` entries, every weight tensor at the format (``pure``), token embedding and output head kept at
   the given type.
 - :func:`tensor_types` / :func:`weight_bits`: what a GGUF holds, read back with ``gguf.GGUFReader``.
-- :func:`logits`: every position's logits of every window, each window evaluated from an empty context.
+
+Running the files (every position's logits of every window, each from an empty context) is the library's
+:mod:`interop.llama_logits`; the statistics are :mod:`jgptq.evaluation`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,6 @@ FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4
           "q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S", "q3_k": "LLAMA_FTYPE_MOSTLY_Q3_K_S", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
           "iq2_xs": "LLAMA_FTYPE_MOSTLY_IQ2_XS", "iq3_s": "LLAMA_FTYPE_MOSTLY_IQ3_XS",
           "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq1_m": "LLAMA_FTYPE_MOSTLY_IQ1_M"}
-
-
-def available() -> bool:
-    """True when the ``llama_cpp`` package imports."""
-    try:
-        import llama_cpp  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def read_imatrix(path: str) -> dict:
@@ -138,21 +131,3 @@ def weight_bits(path: str, names=None) -> dict:
             elements += int(t.n_elements)
     return {"bits": bits, "weights": elements, "bits_per_weight": bits / max(elements, 1)}
 
-
-def logits(path: str, windows: np.ndarray, *, threads: int = 2) -> np.ndarray:
-    """float32 (n, n_ctx, V) logits of every position of each int window (n, n_ctx), each from an empty context."""
-    import llama_cpp
-
-    n, n_ctx = windows.shape
-    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
-    try:
-        vocab = llm.n_vocab()
-        out = np.empty((n, n_ctx, vocab), dtype=np.float32)
-        for i in range(n):
-            llm.reset()
-            llm.eval([int(t) for t in windows[i]])
-            out[i] = llm.scores[:n_ctx]
-    finally:
-        llm.close()
-    return out

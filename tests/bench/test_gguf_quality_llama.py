@@ -1,6 +1,6 @@
 """The llama.cpp side of the gguf_quality benchmark on a tiny float GGUF: imatrix entries reach
 llama_model_quantize (its tensors equal ggml_quantize_chunk with the same importance), the kept tensor types, and
-window evaluation from an empty context."""
+window evaluation from an empty context (the library's llama.cpp runner)."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ gguf = pytest.importorskip("gguf")
 
 from benchmarks.anchors import llama_cpp as oracle  # noqa: E402
 from benchmarks.quality import llama_side  # noqa: E402
+from interop import llama_logits  # noqa: E402
 
 E, FF, HEADS, KV, V = 256, 512, 4, 2, 256
 WEIGHTS = {"blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (E // HEADS * KV, E),
@@ -70,8 +71,8 @@ def test_windows_are_evaluated_from_an_empty_context(tiny):
     src, _ = tiny
     rng = np.random.default_rng(2)
     windows = rng.integers(0, V, (3, 16))
-    both = llama_side.logits(src, windows, threads=1)
+    both = llama_logits.logits(src, windows, threads=1)
     assert both.shape == (3, 16, V) and np.isfinite(both).all()
-    alone = llama_side.logits(src, windows[2:], threads=1)
+    alone = llama_logits.logits(src, windows[2:], threads=1)
     np.testing.assert_allclose(alone[0], both[2], rtol=0, atol=1e-4)
     assert np.abs(both[0] - both[1]).max() > 1e-3      # different windows, different logits
