@@ -218,6 +218,9 @@ def run_quantize(args) -> int:
 
     texts = calib_mod.read_texts(args.calib)
     check_group_size(model_dir, cfg.quant, args.exclude)   # still before the tokenizer and the model are loaded
+    from interop.weight_checks import check_safetensors_files
+
+    check_safetensors_files(model_dir)                      # truncated or garbled files, named, before loading
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -232,7 +235,9 @@ def run_quantize(args) -> int:
     except Exception as exc:  # transformers raises several kinds here
         raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
                            f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
-    ids = calib_mod.token_windows(texts, tokenizer, args.seq_len, args.samples)
+    all_ids = calib_mod.text_tokens(texts, tokenizer)
+    shortfall = calib_mod.window_shortfall(all_ids.numel(), args.seq_len, args.samples, args.calib)
+    ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
     log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
 
     log(f"loading {model_dir} ({dtype})", args.quiet)
@@ -259,10 +264,14 @@ def run_quantize(args) -> int:
         log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
             args.quiet)
     with warnings_once() as shown:
+        if shortfall:
+            warnings.warn(shortfall, stacklevel=1)
         result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
         log(f"exporting {args.export} to {files['out']}", args.quiet)
         export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
                      source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    if shortfall:
+        result.report.warnings.insert(0, shortfall)
     result.report.to_json(str(files["report"]))
     layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
     shutil.rmtree(files["work"], ignore_errors=True)

@@ -180,11 +180,12 @@ def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
     result = QuantizeResult(model, {}, report, config=cfg,
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
     run = _Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix)
-    slow = models.slow_linear_attention(model, run_device)
-    if slow:  # said once, before the first forward, with the fix; kept in the report
-        warnings.warn(slow, stacklevel=3)
-        report.warnings.append(slow)
-        run.said.add(slow)
+    for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix),
+                 models.slow_linear_attention(model, run_device)):
+        if note:  # said once, before the first forward; kept in the report
+            warnings.warn(note, stacklevel=3)
+            report.warnings.append(note)
+            run.said.add(note)
     return run
 
 
