@@ -255,6 +255,7 @@ def run_quantize(args) -> int:
 
     from interop.export import export_model
     from interop.layerwise import quantize_moe
+    from interop.write_errors import WriteError, failure_message, writing
 
     state = files["work"] / "state.json"
     if state.exists() and args.resume:
@@ -263,17 +264,26 @@ def run_quantize(args) -> int:
         done = json.loads(state.read_text()).get("layers_done")
         log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
             args.quiet)
-    with warnings_once() as shown:
-        if shortfall:
-            warnings.warn(shortfall, stacklevel=1)
-        result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
-        log(f"exporting {args.export} to {files['out']}", args.quiet)
-        export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                     source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    try:
+        with warnings_once() as shown:
+            if shortfall:
+                warnings.warn(shortfall, stacklevel=1)
+            result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
+            log(f"exporting {args.export} to {files['out']}", args.quiet)
+            with writing(files["out"]):
+                export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                             source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    except WriteError as exc:  # a full disk: the path, what is kept, how to go on
+        raise CommandError(failure_message(exc, files["work"])) from exc
     if shortfall:
         result.report.warnings.insert(0, shortfall)
-    result.report.to_json(str(files["report"]))
-    layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    try:
+        with writing(files["report"]):
+            result.report.to_json(str(files["report"]))
+        with writing(files["plot"]):
+            layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    except WriteError as exc:
+        raise CommandError(failure_message(exc, files["work"], written=files["out"])) from exc
     shutil.rmtree(files["work"], ignore_errors=True)
     unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
     print(dataclasses.replace(result.report, warnings=unshown).summary())
