@@ -5,7 +5,8 @@
 
 Steps: check every input (model folder, calibration text, output, that the exporter can hold the format, the
 safetensors headers) before any work; load the tokenizer, cut the calibration text into windows and check their
-count (:func:`interop.calib.window_shortfall`); load the model (safetensors only; remote code only when asked); run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
+count (:func:`interop.calib.window_shortfall`); load the model (safetensors only; remote code only when asked);
+run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
 part-way continues from its last finished layer when started again with the same arguments; ``--offload disk``
 puts the layer files in its ``offload`` folder unless ``--offload-dir`` says otherwise); export; write the
 report (``<OUT>.report.json``) and a per-layer loss chart (``<OUT>.loss.svg``) beside the output; remove the
