@@ -4,13 +4,15 @@
 :func:`run_quantize`, ``jgptq demo`` (:func:`interop.demo.run_demo`) or ``jgptq eval``
 (:func:`interop.evaluate.run_eval`).
 
-Steps: check every input (model folder, calibration, output, that the exporter can hold the format) before any
-work; load the tokenizer and the model (safetensors only; remote code only when asked); cut the calibration text
-into windows; run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
+Steps: check every input (model folder, calibration text, output, that the exporter can hold the format, the
+safetensors headers) before any work; load the tokenizer, cut the calibration text into windows and check their
+count (:func:`interop.calib.window_shortfall`); load the model (safetensors only; remote code only when asked);
+run :func:`interop.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
 part-way continues from its last finished layer when started again with the same arguments; ``--offload disk``
 puts the layer files in its ``offload`` folder unless ``--offload-dir`` says otherwise); export; write the
 report (``<OUT>.report.json``) and a per-layer loss chart (``<OUT>.loss.svg``) beside the output; remove the
-working folder.
+working folder. A failed write (a full disk) is one error naming the file and what the working folder keeps
+(:mod:`interop.write_errors`).
 """
 
 from __future__ import annotations
@@ -223,6 +225,9 @@ def run_quantize(args) -> int:
 
     texts = calib_mod.read_texts(args.calib)
     check_group_size(model_dir, cfg.quant, args.exclude)   # still before the tokenizer and the model are loaded
+    from interop.weight_checks import check_safetensors_files
+
+    check_safetensors_files(model_dir)                      # truncated or garbled files, named, before loading
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -237,7 +242,9 @@ def run_quantize(args) -> int:
     except Exception as exc:  # transformers raises several kinds here
         raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
                            f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
-    ids = calib_mod.token_windows(texts, tokenizer, args.seq_len, args.samples)
+    all_ids = calib_mod.text_tokens(texts, tokenizer)
+    shortfall = calib_mod.window_shortfall(all_ids.numel(), args.seq_len, args.samples, args.calib)
+    ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
     log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
 
     log(f"loading {model_dir} ({dtype})", args.quiet)
@@ -255,6 +262,7 @@ def run_quantize(args) -> int:
 
     from interop.export import export_model
     from interop.layerwise import quantize_moe
+    from interop.write_errors import WriteError, failure_message, writing
 
     state = files["work"] / "state.json"
     if state.exists() and args.resume:
@@ -263,13 +271,26 @@ def run_quantize(args) -> int:
         done = json.loads(state.read_text()).get("layers_done")
         log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
             args.quiet)
-    with warnings_once() as shown:
-        result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
-        log(f"exporting {args.export} to {files['out']}", args.quiet)
-        export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                     source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
-    result.report.to_json(str(files["report"]))
-    layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    try:
+        with warnings_once() as shown:
+            if shortfall:
+                warnings.warn(shortfall, stacklevel=1)
+            result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
+            log(f"exporting {args.export} to {files['out']}", args.quiet)
+            with writing(files["out"]):
+                export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                             source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+    except WriteError as exc:  # a full disk: the path, what is kept, how to go on
+        raise CommandError(failure_message(exc, files["work"])) from exc
+    if shortfall:
+        result.report.warnings.insert(0, shortfall)
+    try:
+        with writing(files["report"]):
+            result.report.to_json(str(files["report"]))
+        with writing(files["plot"]):
+            layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    except WriteError as exc:
+        raise CommandError(failure_message(exc, files["work"], written=files["out"])) from exc
     shutil.rmtree(files["work"], ignore_errors=True)
     unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
     print(dataclasses.replace(result.report, warnings=unshown).summary())

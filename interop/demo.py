@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import shutil
 import sys
 import tempfile
 import time
@@ -104,7 +105,18 @@ def _folder_bytes(path: Path) -> int:
 
 
 def run_demo(args) -> int:
-    """The ``jgptq demo`` command (``args``: the parsed options of :mod:`jgptq.cli`)."""
+    """The ``jgptq demo`` command (``args``: the parsed options of :mod:`jgptq.cli`). Without ``--out`` it writes
+    into a new temporary folder and removes it at the end, whether the run succeeds or fails."""
+    if args.out:
+        return _run_demo(args, Path(args.out))
+    scratch = Path(tempfile.mkdtemp(prefix="jgptq-demo-"))
+    try:
+        return _run_demo(args, scratch / "tiny-qwen3-moe-gptq")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_demo(args, out: Path) -> int:
     from interop import calib as calib_mod
     from interop.command import check_output, log, paths_for
     from interop.export import check_format, export_model
@@ -118,7 +130,6 @@ def run_demo(args) -> int:
     cfg = PipelineConfig.build(None, bits=args.bits, group_size=args.group_size, scale_dtype=scale_dtype,
                                batch_size=16, progress=not args.quiet)
     check_format(args.export, cfg.quant)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="jgptq-demo-")) / "tiny-qwen3-moe-gptq"
     check_output(out, args.overwrite)
     files = paths_for(out)
 
@@ -170,11 +181,14 @@ def run_demo(args) -> int:
     ]
     for i in range(args.layers):
         lines.append(f"{i:>5}{rtn['layer_error'][i]:>20.3e}{gq['layer_error'][i]:>20.3e}{losses[i]:>20.3e}")
-    lines += ["",
-              f"checkpoint: {out} ({args.export}, {_folder_bytes(out) / 1e6:.2f} MB)" if out.is_dir()
-              else f"checkpoint: {out} ({args.export})",
-              f"report: {files['report']}", f"per-layer chart: {files['plot']}", reload_line,
-              f"total {time.perf_counter() - t_start:.1f} s"]
+    size = f", {_folder_bytes(out) / 1e6:.2f} MB" if out.is_dir() else ""
+    if args.out:
+        kept = [f"checkpoint: {out} ({args.export}{size})", f"report: {files['report']}",
+                f"per-layer chart: {files['plot']}"]
+    else:
+        kept = [f"checkpoint: {args.export}{size}, written to a temporary folder and removed with its report and "
+                f"chart (pass --out DIR to keep them)"]
+    lines += ["", *kept, reload_line, f"total {time.perf_counter() - t_start:.1f} s"]
     print("\n".join(lines))
     sys.stdout.flush()
     return 0

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from interop import models
+from interop.write_errors import writing
 
 FILE = "offload-layer-{:05d}.safetensors"
 FORMAT = "jgptq-offload-layer"
@@ -92,8 +93,9 @@ def write_layer(layer: nn.Module, path) -> None:
     meta = {"format": FORMAT, "aliases": json.dumps(aliases)}
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        with writing(path):   # a full disk or another OS error names the file
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

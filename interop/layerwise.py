@@ -46,7 +46,7 @@ import jax
 import torch
 
 from interop import calib as calib_mod
-from interop import capture, importance, models
+from interop import capture, importance, models, weight_checks
 from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_torch
@@ -111,7 +111,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
       ``imatrix`` by parameter name).
     Raises:
       ValueError: nothing to quantize, zero calibration tokens, a width not divisible by the group size,
-        NaN/Inf activations, a run over ``device_budget`` (:class:`jgptq.DeviceBudgetError`);
+        NaN/Inf in a weight to quantize (:class:`interop.weight_checks.CorruptWeightsError`, naming the weight and
+        expert) or in activations, a run over ``device_budget`` (:class:`jgptq.DeviceBudgetError`);
         :class:`jgptq.UnsupportedModelError` for layouts jgptq cannot see into;
         :class:`jgptq.ResumeMismatchError` for a checkpoint of another run.
     """
@@ -171,6 +172,7 @@ def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
     activations = offload_mod.hidden_bytes(model, batch_list) * 2  # a layer's inputs and outputs coexist
     placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")
                      for layer, t in zip(layers, targets)])      # before any work: over budget is an error
+    weight_checks.check_finite_weights(targets, prefix)         # NaN/Inf named by weight and expert, up front
     report = Report(config=cfg.to_dict(), model=type(model).__name__,
                     calibration_tokens=calib_mod.token_count(batch_list))
     report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
@@ -178,11 +180,12 @@ def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
     result = QuantizeResult(model, {}, report, config=cfg,
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
     run = _Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix)
-    slow = models.slow_linear_attention(model, run_device)
-    if slow:  # said once, before the first forward, with the fix; kept in the report
-        warnings.warn(slow, stacklevel=3)
-        report.warnings.append(slow)
-        run.said.add(slow)
+    for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix),
+                 models.slow_linear_attention(model, run_device)):
+        if note:  # said once, before the first forward; kept in the report
+            warnings.warn(note, stacklevel=3)
+            report.warnings.append(note)
+            run.said.add(note)
     return run
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from interop.report import ModuleRecord
+from interop.write_errors import writing
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from jgptq.imatrix import ImatrixEntry
 from jgptq.version import __version__
@@ -105,8 +106,9 @@ def changed_settings(old: dict, new: dict) -> str:
 def _replace_into(path: Path, write) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with writing(path):   # a full disk or another OS error names the file
+            write(tmp)
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

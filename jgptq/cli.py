@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Build a tiny Qwen3-MoE model with random weights, calibrate it on text shipped "
                                    "with jgptq, quantize it with GPTQ and with round-to-nearest, compare both with "
                                    "the float model on held-out text, and export the GPTQ model.")
-    d.add_argument("--out", help="output checkpoint folder (default: a new temporary folder)")
+    d.add_argument("--out", help="output checkpoint folder, kept (default: a temporary folder, removed at the end)")
     d.add_argument("--export", choices=DEMO_EXPORTS, default="compressed-tensors",
                    help="checkpoint format of the integer-grid demo (default: compressed-tensors)")
     d.add_argument("--bits", type=int, default=bits, help=f"bits per weight (default: {bits})")
