@@ -217,8 +217,10 @@ def loader_warnings(model, result, kind: str) -> list:
         keys = fused[param]
         loaders = "GPTQModel.load and vLLM"
         if not all(_named_like_modules(p, k) for p, k in fused.items()):
-            loaders = (f"vLLM (GPTQModel.load 7.7 refuses it: it looks the experts up as "
-                       f"{param.rpartition('.')[0]}.0.{_PROJECTION.get(param.rpartition('.')[2], 'gate_proj')}, not as {sorted(keys)[0][: -len('.weight')]})")
+            experts, _, fused_name = param.rpartition(".")
+            wanted = f"{experts}.0.{_PROJECTION.get(fused_name, 'gate_proj')}"
+            loaders = (f"vLLM (GPTQModel.load 7.7 refuses it: it looks the experts up as {wanted}, not as "
+                       f"{sorted(keys)[0][: -len('.weight')]})")
         messages.append(
             f"{name} keeps its experts fused ({param}): transformers' GPTQ loader reads only nn.Linear modules and "
             f"would leave these experts randomly initialized, without an error. This GPTQ v1 checkpoint loads with "
