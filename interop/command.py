@@ -262,7 +262,8 @@ def run_quantize(args) -> int:
         result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
         log(f"exporting {args.export} to {files['out']}", args.quiet)
         export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                     source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+                     source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard,
+                     **({"float_embeddings": True} if args.export == "gguf" and args.float_embeddings else {}))
     result.report.to_json(str(files["report"]))
     layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
     shutil.rmtree(files["work"], ignore_errors=True)
