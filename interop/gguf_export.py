@@ -257,8 +257,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
                              f"the result")
 
-    if result is not None and not float_embeddings:
-        records.update(_edge_records(model, result, plan, state, records))
+    edges = _edge_records(model, result, plan, state, records) if result is not None and not float_embeddings else {}
+    records.update(edges)
     for param in records:
         if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
             plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
@@ -274,7 +274,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             shape = (int(np.prod(shape)),) if t.flat else shape
             if rec is not None:
                 tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
-                formats[rec.format] += int(np.prod(shape))
+                if param not in edges:   # general.file_type is the run's, whatever llama.cpp's rules add
+                    formats[rec.format] += int(np.prod(shape))
                 continue
             kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
             tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,

@@ -136,3 +136,15 @@ def test_llama_quantize_gives_the_same_embedding_and_head(family, ftype, config,
     for name in names:
         assert a[name].tensor_type == b[name].tensor_type, name
         assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
+
+
+def test_file_type_stays_the_runs(tmp_path):
+    from tests.tiny_models import build
+
+    # plain q4_k (llama.cpp's Q4_K_S) on a tied model whose embedding, q6_k as the head, outweighs the layers
+    model = build("llama", **{**SIZES["llama"], "vocab_size": 8192}, tie_word_embeddings=True)
+    result = quantize_in_place(model, "q4_k")
+    result.config = PipelineConfig.build(None, format="q4_k")
+    reader, t = read(export_gguf(model, result, tmp_path / "m.gguf"))
+    assert t["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q6_K
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType.MOSTLY_Q4_K_S
