@@ -131,3 +131,11 @@ def test_gptqmodel_load_reads_qwen3_moe_and_dense_and_refuses_mixtral_names(tmp_
         assert kl < _kl_budget(reference, model), (family, kl)
     with pytest.raises(ValueError, match="Missing required quantized weights.*experts.0.down_proj.qweight"):
         gptqmodel.GPTQModel.load(str(tmp_path / "mixtral"), device="cpu", dtype=torch.float32)
+
+
+def test_demo_does_not_reload_gptq_with_transformers(tmp_path):
+    from interop.demo import _reload_check
+
+    assert _reload_check(tmp_path, "gptq", None, None) == (
+        "reload check: skipped (transformers' GPTQ loader would leave this MoE model's fused experts random; "
+        "GPTQModel.load reads the checkpoint)")
