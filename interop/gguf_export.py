@@ -321,7 +321,7 @@ def _edge_records(model, result, plan: dict, state: dict, records: dict) -> dict
         out[param] = GGMLWeight(np.asarray(ggml.encode(weight, fmt, importance)).reshape(
             weight.shape[0], -1, ggml.get_format(fmt).type_size), fmt, method="rtn")
         report = getattr(result, "report", None)
-        if report is not None:
+        if report is not None and not any(r.name == param and r.layer == -1 for r in report.records):
             name = plan[param][0].name.removesuffix(".weight")
             report.records.append(ModuleRecord(
                 name=param, layer=-1, kind=name, shape=tuple(weight.shape), tokens=0, method="rtn",

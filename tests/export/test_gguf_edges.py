@@ -79,6 +79,8 @@ def test_export_writes_them_in_the_runs_types_and_reports_them(tmp_path):
     assert [(r.name, r.format, r.method, r.layer) for r in result.report.records] == [
         ("model.embed_tokens.weight", "q4_k", "rtn", -1), ("lm_head.weight", "q6_k", "rtn", -1)]
     assert result.report.records[1].reason == "llama.cpp's type of output for this run"
+    export_gguf(model, result, tmp_path / "again.gguf")              # a second export reports them once
+    assert len(result.report.records) == 2
 
 
 def test_float_embeddings_keeps_them_float(tmp_path):
@@ -100,6 +102,7 @@ def test_head_bytes_with_importance_equal_llama_cpp(tmp_path):
     w = model.state_dict()["lm_head.weight"].numpy().astype(np.float32)
     want = llama_cpp.quantize(w, get_format("q6_k").type_id, sums[0] / 40)
     assert np.array_equal(np.asarray(t["output.weight"].data).reshape(-1), np.asarray(want).reshape(-1))
+    assert result.report.records[-1].reason == "llama.cpp's type of output for this run (with importance)"
 
 
 @pytest.mark.llama_cpp
