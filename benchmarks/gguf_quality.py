@@ -225,7 +225,7 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
     # jgptq GPTQ
     model, result, seconds = _quantize_jgptq(folder, calib, fmt, "gptq", min(32, args.calib_seqs))
     path_g = os.path.join(work, f"jgptq-gptq-{fmt}.gguf")
-    export_gguf(model, result, path_g, overwrite=True, float_type="f32")
+    export_gguf(model, result, path_g, overwrite=True, float_type="f32", float_embeddings=True)
     types = llama_side.tensor_types(path_g)
     quantized = sorted(n for n, t in types.items() if t == qtype)
     entry["quantized_tensors"] = len(quantized)
@@ -251,7 +251,7 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
         model, result, rtn_s = _quantize_jgptq(folder, calib, fmt, "rtn", min(32, args.calib_seqs),
                                                imatrix=imatrix)
         path_r = os.path.join(work, f"jgptq-rtn-{fmt}.gguf")
-        export_gguf(model, result, path_r, overwrite=True, float_type="f32")
+        export_gguf(model, result, path_r, overwrite=True, float_type="f32", float_embeddings=True)
         del model, result
         entry["rtn_vs_llama_bytes"] = _compare_tensors(path_r, path_l, quantized)
     per_token = {}

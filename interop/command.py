@@ -279,7 +279,8 @@ def run_quantize(args) -> int:
             log(f"exporting {args.export} to {files['out']}", args.quiet)
             with writing(files["out"]):
                 export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                             source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
+                             source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard,
+                             **({"float_embeddings": True} if args.export == "gguf" and args.float_embeddings else {}))
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on
         raise CommandError(failure_message(exc, files["work"])) from exc
     if shortfall:

@@ -29,6 +29,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -168,6 +169,71 @@ def _extra_files(model, tokenizer, source_dir, scratch: Path) -> dict:
     return files
 
 
+def fused_experts(model, result) -> dict:
+    """The fused 3-D expert parameters of ``model`` that ``result`` quantized, with their checkpoint keys.
+
+    Returns:
+      parameter name (e.g. ``model.layers.0.mlp.experts.gate_up_proj``) -> the per-expert checkpoint keys its
+      rows were written under (``...experts.3.gate_proj.weight``; Mixtral ``...block_sparse_moe.experts.3.w1.weight``).
+    """
+    fused = {}
+    for param, keys in (getattr(result, "param_keys", None) or {}).items():
+        try:
+            tensor = model.get_parameter(param)
+        except AttributeError:
+            continue
+        if tensor.ndim == 3:
+            fused[param] = list(keys)
+    return fused
+
+
+_PROJECTION = {"down_proj": "down_proj", "gate_up_proj": "gate_proj"}
+
+
+def _named_like_modules(param: str, keys) -> bool:
+    """True when the checkpoint keys of fused ``param`` are the per-expert module names a defusing loader builds
+    (``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``), as GPTQModel looks them up."""
+    prefix = param.rpartition(".")[0] + "."
+    projections = (".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
+    return all(k.startswith(prefix) and k.endswith(projections) for k in keys)
+
+
+def loader_warnings(model, result, kind: str) -> list:
+    """What the loaders we name would get wrong with this export, as one message each (empty: none).
+
+    - GPTQ v1 of a model whose experts transformers fuses (3-D ``gate_up_proj`` / ``down_proj``): transformers'
+      GPTQ loader (optimum + gptqmodel) replaces ``nn.Linear`` modules only, so it leaves those experts randomly
+      initialized, without an error. GPTQModel.load defuses them and reads the per-expert modules, when the
+      checkpoint names are its module names (Qwen3-MoE, OLMoE, ...; not Mixtral's ``block_sparse_moe.*.w1``).
+    - compressed-tensors with asymmetric grids: transformers fails on the packed zero points unless loaded with
+      ``CompressedTensorsConfig(dequantize=True)``, and on fused experts' zero points even then.
+    """
+    quant = result.config.quant if getattr(result, "config", None) is not None else None
+    fused = fused_experts(model, result)
+    name = type(model).__name__
+    messages = []
+    if kind == "gptq" and fused:
+        param = min(fused)
+        keys = fused[param]
+        loaders = "GPTQModel.load and vLLM"
+        if not all(_named_like_modules(p, k) for p, k in fused.items()):
+            experts, _, fused_name = param.rpartition(".")
+            wanted = f"{experts}.0.{_PROJECTION.get(fused_name, 'gate_proj')}"
+            loaders = (f"vLLM (GPTQModel.load 7.7 refuses it: it looks the experts up as {wanted}, not as "
+                       f"{sorted(keys)[0][: -len('.weight')]})")
+        messages.append(
+            f"{name} keeps its experts fused ({param}): transformers' GPTQ loader reads only nn.Linear modules and "
+            f"would leave these experts randomly initialized, without an error. This GPTQ v1 checkpoint loads with "
+            f"{loaders}; for transformers, export 'compressed-tensors' with symmetric grids")
+    if kind == "compressed-tensors" and quant is not None and not quant.sym:
+        moe = ", and fails on the fused experts' zero points even with it" if fused else ""
+        messages.append(
+            f"asymmetric grids: transformers loads this compressed-tensors checkpoint only with "
+            f"quantization_config=CompressedTensorsConfig(dequantize=True) (without it, loading fails on the packed "
+            f"zero points){moe}; symmetric grids (sym=True) load either way")
+    return messages
+
+
 def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, tokenizer=None,
                  source_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, **options) -> Path:
     """Writes ``model`` quantized by ``result`` as a checkpoint folder (or GGUF file) of ``kind``.
@@ -213,6 +279,8 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
             raise ExportError(f"{key}: {type(model).__name__} checkpoints keep every expert in one fused tensor "
                               f"{rec.shape}; the {kind} format holds 2-D per-module weights only, so this model "
                               f"cannot be exported to it")
+    for message in loader_warnings(model, result, kind):
+        warnings.warn(message, stacklevel=2)
     state = checkpoint_state(model, result)
     tensors = ((k, _numpy(v)) for k, v in state.items())
     model_config = model_config_dict(model)

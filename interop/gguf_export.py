@@ -2,8 +2,9 @@
 
 - :func:`export_gguf`: the model (``result=None``: every weight in a float type) or a quantization result whose
   :class:`jgptq.export.GGMLWeight` records are written as they are (no re-encoding), with the metadata llama.cpp
-  reads for the architecture. Norms and routers stay float32; embeddings and the output head stay in
-  ``float_type`` unless the result holds records for them.
+  reads for the architecture. Norms and routers stay float32; the embedding and the output head get llama.cpp's
+  types for the run (:func:`jgptq.plan.edge_formats`), or stay in ``float_type`` (``float_embeddings=True``, or
+  a result without a GGML config) unless the result holds records for them.
 - :func:`gguf_names`: model parameter name -> GGUF tensor names (:mod:`interop.gguf_arch`).
 - :func:`export_imatrix`: an importance statistic keyed by parameter name, written as a llama.cpp imatrix file
   under the GGUF tensor names (``llama-quantize --imatrix``).
@@ -199,7 +200,8 @@ def _output_path(out) -> Path:
 
 
 def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False, tokenizer=None,
-                float_type: str = "f16", file_type: int | None = None, name: str | None = None) -> Path:
+                float_type: str = "f16", file_type: int | None = None, name: str | None = None,
+                float_embeddings: bool = False) -> Path:
     """Writes ``model`` (quantized by ``result``, or float) as a GGUF file llama.cpp loads.
 
     Args:
@@ -222,6 +224,10 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         llama.cpp type (q8_0 -> MOSTLY_Q8_0; q3_k/q4_k/q5_k -> their _S type), else ``float_type``.
       name: ``general.name``; default: the basename of ``model.config._name_or_path`` (the folder the model was
         loaded from), else the model's class name.
+      float_embeddings: keep the token embedding and the output head in ``float_type``. By default a GGML run's
+        (``result.config`` with a GGML format) are encoded as llama.cpp's quantizer does for the run's mix or format
+        (:func:`jgptq.plan.edge_formats`: q4_k_m -> token_embd q4_k, output q6_k): a plain encode, with the run's
+        importance statistic of the head where it has one; each is added to ``result.report.records``.
     Returns:
       The path written.
     Raises:
@@ -251,6 +257,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
                              f"the result")
 
+    edges = _edge_records(model, result, plan, state, records) if result is not None and not float_embeddings else {}
+    records.update(edges)
     for param in records:
         if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
             plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
@@ -266,7 +274,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             shape = (int(np.prod(shape)),) if t.flat else shape
             if rec is not None:
                 tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
-                formats[rec.format] += int(np.prod(shape))
+                if param not in edges:   # general.file_type is the run's, whatever llama.cpp's rules add
+                    formats[rec.format] += int(np.prod(shape))
                 continue
             kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
             tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,
@@ -283,6 +292,42 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
     meta.update(vocab)
     return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
+
+
+def _edge_records(model, result, plan: dict, state: dict, records: dict) -> dict:
+    """GGML records of the token embedding and the output head in llama.cpp's types for the run (none for an
+    integer run or a result without a config), each added to the run's report."""
+    import jgptq.ggml as ggml
+    from interop.report import ModuleRecord
+    from jgptq.plan import edge_formats
+
+    config = getattr(result, "config", None)
+    roles = {p: e[0].role for p, e in plan.items() if e and e[0].role in ("embedding", "output")}
+    if not roles or not getattr(getattr(config, "quant", None), "is_ggml", False):
+        return {}
+    tied = "output" not in roles.values() and not any(plan[p] and plan[p][0].role == "output" for p in records)
+    cols = int(state[next(iter(roles))].shape[-1])
+    formats = edge_formats(config, cols, tied)
+    out = {}
+    for param, role in roles.items():
+        fmt = formats.get("token_embd" if role == "embedding" else "output")
+        if fmt is None or param in records:
+            continue
+        weight = state[param].detach().to("cpu", torch.float32).numpy()
+        entry = (getattr(result, "imatrix", None) or {}).get(param)
+        importance = None
+        if entry is not None and role == "output":   # llama.cpp's imatrix never holds the embedding
+            importance = np.asarray(entry[0], np.float32).reshape(-1) / max(float(np.asarray(entry[1]).sum()), 1.0)
+        out[param] = GGMLWeight(np.asarray(ggml.encode(weight, fmt, importance)).reshape(
+            weight.shape[0], -1, ggml.get_format(fmt).type_size), fmt, method="rtn")
+        report = getattr(result, "report", None)
+        if report is not None and not any(r.name == param and r.layer == -1 for r in report.records):
+            name = plan[param][0].name.removesuffix(".weight")
+            report.records.append(ModuleRecord(
+                name=param, layer=-1, kind=name, shape=tuple(weight.shape), tokens=0, method="rtn",
+                reason=f"llama.cpp's type of {name} for this run" + (" (with importance)" if importance is not None
+                                                                      else ""), format=fmt))
+    return out
 
 
 def _shape(model, param: str, tensor: torch.Tensor) -> tuple:

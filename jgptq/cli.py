@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output checkpoint folder (or .gguf file for --export gguf)")
     q.add_argument("--export", choices=EXPORTS, default="compressed-tensors",
                    help="checkpoint format (default: compressed-tensors)")
+    q.add_argument("--float-embeddings", action="store_true",
+                   help="--export gguf: keep token_embd and output in floating point (default: the types llama.cpp "
+                        "gives them for the run's mix or format, e.g. q4_k and q6_k for q4_k_m)")
     _quant_options(q)
     c = q.add_argument_group("calibration")
     calibration, min_tokens = default(MoEConfig, "calibration"), default(MoEConfig, "min_tokens")

@@ -6,7 +6,8 @@ weight is, in order: the first matching rule of the run (:func:`jgptq.plan.forma
 ``PipelineConfig.mix``; else the default ``QuantConfig.format``.
 
 Presets follow llama.cpp's ``llama_tensor_get_type_impl`` (``src/llama-quant.cpp``) for the weights of decoder
-layers (the output head and embeddings are not the pipeline's), with ``n_layer`` the model's decoder layers,
+layers (the output head and embeddings are not the pipeline's: :func:`edge_format` gives their types, which the
+GGUF exporter encodes), with ``n_layer`` the model's decoder layers,
 ``i`` the layer index and ``use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``:
 
 ==========  ======  ==========================================================================================
@@ -107,3 +108,62 @@ def possible_formats(config) -> set:
     if config.block_fallback not in ("error", "llama.cpp"):
         out.add(config.block_fallback)
     return out
+
+
+# llama.cpp's types for the token embedding (``token_embd``) and the output head (``output``), from the branches of
+# ``llama_tensor_get_type_impl`` that name them. ``ftype`` is llama.cpp's file type of the run (a mix name, or the
+# plain type of a format; q3_k/q4_k/q5_k alone are their _S mixes) and ``base`` its default GGML type.
+_HEAD_Q5_K = ("iq2_xxs", "iq2_xs", "iq3_xxs", "iq1_s", "iq2_s", "iq2_m", "iq1_m")
+_EMBD_Q2_K = ("iq2_xxs", "iq2_xs", "iq1_s", "iq1_m")
+_EMBD_IQ3_S = ("iq2_s", "iq2_m", "iq3_xxs")
+_PLAIN_FILE_TYPES = {"q3_k": "q3_k_s", "q4_k": "q4_k_s", "q5_k": "q5_k_s", "iq2_s": "iq2_m"}
+
+
+def file_type(mix, fmt: str) -> str:
+    """llama.cpp's file type (lower case, without ``MOSTLY_``) of a run: its mix, else the plain type of ``fmt``
+    (``q4_k`` -> ``q4_k_s``: llama.cpp has no plain Q4_K type; ``iq2_s`` -> ``iq2_m``, whose default type is
+    IQ2_S)."""
+    return mix if mix is not None else _PLAIN_FILE_TYPES.get(fmt, fmt)
+
+
+def _fits(fmt: str, cols: int):
+    """``fmt``, else llama.cpp's fallback chain (``tensor_type_fallback``) for rows of ``cols`` values; None where
+    even the fallback does not fit (llama.cpp then writes F16)."""
+    from jgptq.ggml import get_format
+
+    if cols % get_format(fmt).block_size == 0:
+        return fmt
+    fallback = LLAMA_FALLBACK.get(fmt)
+    return fallback if fallback is not None and cols % get_format(fallback).block_size == 0 else None
+
+
+def edge_format(ftype: str, base: str, role: str, cols: int, tied: bool = False):
+    """The GGML type llama.cpp's quantizer gives the token embedding or the output head under file type ``ftype``.
+
+    Args:
+      ftype: llama.cpp's file type of the run (:func:`file_type`), e.g. ``"q4_k_m"``, ``"q8_0"``, ``"iq2_xxs"``.
+      base: its default GGML type (``"q4_k"`` for ``q4_k_m``).
+      role: ``"token_embd"`` or ``"output"``.
+      cols: the tensor's row length (the model's hidden size).
+      tied: the model has no separate output head; the token embedding then gets the head's rule.
+    Returns:
+      A GGML format name, or None: llama.cpp keeps it in F16 (no block size fits the rows).
+    """
+    from jgptq.ggml import get_format
+
+    if role not in ("token_embd", "output"):
+        raise ValueError(f"role {role!r} is not 'token_embd' or 'output'")
+    if role == "output" or tied:
+        if cols % get_format(base).block_size:
+            fmt = "q8_0"
+        elif ftype in _HEAD_Q5_K:
+            fmt = "q5_k"
+        else:
+            fmt = base if base == "q8_0" else "q6_k"
+    elif ftype in _EMBD_Q2_K:
+        fmt = "q2_k"
+    elif ftype in _EMBD_IQ3_S:
+        fmt = "iq3_s"
+    else:
+        fmt = base
+    return _fits(fmt, cols)

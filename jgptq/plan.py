@@ -139,3 +139,25 @@ def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int) -> 
             notes.append(note)
     unmatched = [f"{r.origin} rule {r.pattern!r} matched no weight" for r in all_rules if r not in used]
     return Plan(matrices, skipped, notes, unmatched)
+
+
+def edge_formats(config, cols: int, tied: bool) -> dict:
+    """The formats of the token embedding and the output head of a GGML run, as llama.cpp's quantizer chooses
+    them for the run's file type (:func:`jgptq.mixes.edge_format`); the pipeline itself quantizes neither.
+
+    Args:
+      config: the run's :class:`jgptq.config.PipelineConfig`.
+      cols: the row length of both (the hidden size).
+      tied: the model has no separate head (the embedding then gets the head's rule; ``"output"`` is left out).
+    Returns:
+      ``{"token_embd": format or None, "output": format or None}`` (None: floating point); empty for an
+      integer-grid run.
+    """
+    if not config.quant.is_ggml:
+        return {}
+    base = mixes.PRESETS[config.mix] if config.mix is not None else config.quant.format
+    ftype = mixes.file_type(config.mix, config.quant.format)
+    out = {"token_embd": mixes.edge_format(ftype, base, "token_embd", cols, tied)}
+    if not tied:
+        out["output"] = mixes.edge_format(ftype, base, "output", cols)
+    return out

@@ -2,7 +2,7 @@
 
 - :class:`QuantizedWeight` (:mod:`.records`): codes, scales, zero points and ``g_idx`` of one weight or a stack;
   :func:`expert_entries` names a fused expert stack per expert.
-- :func:`export_gptq_v1` (:mod:`.gptq_v1`): the GPTQ layout transformers, GPTQModel and vLLM load.
+- :func:`export_gptq_v1` (:mod:`.gptq_v1`): the GPTQ layout GPTQModel and vLLM load (transformers: dense models).
 - :func:`export_compressed_tensors` (:mod:`.compressed_tensors`): compressed-tensors ``pack-quantized`` (vLLM).
 - :func:`write_checkpoint` (:mod:`.shards`): atomic sharded safetensors folders with an index.
 - :func:`pack_int32` / :func:`unpack_int32` (:mod:`.packing`): dense little-endian int32 bit packing, 1..8 bits.

@@ -1,4 +1,5 @@
-"""GPTQ (v1) checkpoints, as transformers, GPTQModel, vLLM and SGLang load them.
+"""GPTQ (v1) checkpoints, as GPTQModel, vLLM and SGLang load them (transformers too, for dense models: its GPTQ
+loader swaps nn.Linear modules only and skips the fused 3-D experts transformers 5 builds for MoE models).
 
 Every quantized Linear ``<module>`` of out x in features is stored as
 

@@ -206,6 +206,7 @@ def test_quantize_to_gguf_writes_the_blocks_the_run_chose(model_dir, env, tmp_pa
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.ffn_down_exps.weight"] == "Q4_0"
     assert types["blk.0.attn_norm.weight"] == types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0"    # llama.cpp's types for a Q8_0 file
     assert bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
     assert bytes(reader.fields["general.name"].parts[-1]).decode() == Path(model_dir).name  # the model's folder
     # the expert blocks decode to float weights of the right shape and the non-expert tensors are unchanged
