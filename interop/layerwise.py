@@ -56,6 +56,7 @@ from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from interop.progress import LayerProgress, stage_bar
 from interop.stores import Stores
 from jgptq import plan as plan_mod
+from jgptq.bucket import PLAIN_KEPT
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
 
@@ -334,7 +335,7 @@ def _record(report, layer_idx: int, m, stack, res, threshold: int) -> None:
     low = []
     for e in range(m.count):
         name = stack.name if m.layout is None else f"{stack.name}[{e}]"
-        if res.reason[e]:
+        if res.reason[e] and not res.reason[e].startswith(PLAIN_KEPT):
             low.append(e)
         report.records.append(ModuleRecord(
             name=name, layer=layer_idx, kind=m.kind, shape=(m.rows, m.cols), tokens=int(stack.tokens[e]),
