@@ -7,7 +7,8 @@ Train, calibration and held-out text are disjoint byte ranges of the corpus.
 
 Per format (``--formats``, default Q4_K, IQ4_XS, IQ3_XXS, IQ2_XXS, IQ1_S), starting each time from the float model:
 - jgptq: ``quantize_moe`` with the format (GPTQ; the encoders' importance is the imatrix statistic the run collects
-  layer by layer, on the inputs each layer sees in that run), exported
+  layer by layer, on the inputs each layer sees in that run, or with ``--imatrix-source float`` on the inputs it
+  sees when every earlier layer is float, llama.cpp's definition; ``both`` runs each and compares them), exported
   with ``export_gguf`` (token embedding and output head in F32, routers and norms in F32);
 - llama.cpp: ``llama_model_quantize`` of the float F32 GGUF (``pure``: every weight tensor at the format; token
   embedding and output head kept in F32), fed with the jgptq run's imatrix written as a GGUF imatrix file and read
@@ -44,6 +45,9 @@ def _args(argv):
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated GGML formats")
     p.add_argument("--train-steps", type=int, default=None, help="training steps of the model (default: 300)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the trained model is kept")
+    p.add_argument("--model-dir", default=None,
+                   help="a model trained earlier on this corpus (a folder with train_info.json), used instead of "
+                        "training one")
     p.add_argument("--work-dir", default=None, help="keep the GGUF files here (default: a temporary folder)")
     p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
     p.add_argument("--windows", type=int, default=64, help="held-out windows evaluated (default 64; 0: all)")
@@ -52,6 +56,9 @@ def _args(argv):
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="llama.cpp threads (default: half the cores; busy-waiting threads on shared cores slow it)")
     p.add_argument("--no-rtn", action="store_true", help="skip the jgptq RTN sanity rows")
+    p.add_argument("--imatrix-source", choices=("replay", "float", "both"), default="replay",
+                   help="inputs jgptq's imatrix statistic is collected on (PipelineConfig.imatrix_source); both: "
+                        "each in turn, results per source and compared (default: replay)")
     args = p.parse_args(argv)
     if args.small:  # a smoke run: a briefly trained model, one format, few windows
         args.formats = "q4_k" if args.formats == ",".join(FORMATS) else args.formats
@@ -66,13 +73,26 @@ def _fresh_model(folder):
     return Qwen3MoeForCausalLM.from_pretrained(folder, dtype="float32").eval()
 
 
-def _quantize_jgptq(folder, calib, fmt, method, batch_size, imatrix=None):
+def _given_model(folder, digest):
+    """A model trained earlier on the same corpus (its train_info.json names the corpus digest)."""
+    import json
+
+    with open(os.path.join(folder, "train_info.json")) as f:
+        info = json.load(f)
+    if info.get("corpus_sha256") != digest:
+        raise SystemExit(f"--model-dir {folder}: trained on corpus {info.get('corpus_sha256')}, not {digest}")
+    info.update(folder=os.path.abspath(folder), cached=True, given=True)
+    return _fresh_model(folder), info
+
+
+def _quantize_jgptq(folder, calib, fmt, method, batch_size, imatrix=None, imatrix_source="replay"):
     """A fresh float model quantized by jgptq; returns (model, result, seconds)."""
     import jgptq
     from jgptq import PipelineConfig, QuantConfig
 
     model = _fresh_model(folder)
-    cfg = PipelineConfig(quant=QuantConfig(format=fmt), method=method, batch_size=batch_size, progress=False)
+    cfg = PipelineConfig(quant=QuantConfig(format=fmt), method=method, batch_size=batch_size, progress=False,
+                         imatrix_source=imatrix_source)
     t0 = time.perf_counter()
     kwargs = {} if imatrix is None else {"imatrix": imatrix}
     result = jgptq.quantize_moe(model, calib, cfg, device="cpu", **kwargs)
@@ -161,7 +181,10 @@ def main(argv=None):
     data = corpus.corpus_bytes()
     digest = corpus.corpus_digest(data)
     splits = corpus.split(data)
-    model, info = lm.trained_model(splits, digest, args.cache_dir, steps=args.train_steps)
+    if args.model_dir:
+        model, info = _given_model(args.model_dir, digest)
+    else:
+        model, info = lm.trained_model(splits, digest, args.cache_dir, steps=args.train_steps)
     folder = info["folder"]
     held = corpus.windows(splits.tokens["heldout"], args.n_ctx, args.windows or None)
     calib = torch.from_numpy(corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs))
@@ -196,34 +219,64 @@ def main(argv=None):
         float_stats = evaluation.summarize(evaluation.window_stats(ref, ref, held))
         out["evaluation"].update({"llama_float_ppl": float_stats["ppl"],
                                   "llama_float_loss_nats": math.log(float_stats["ppl"])})
+        sources = ("replay", "float") if args.imatrix_source == "both" else (args.imatrix_source,)
         for fmt in formats:
-            entry = out["formats"].setdefault(fmt, {})
-            try:
-                _run_format(fmt, entry, model, folder, calib, held, ref, f32, work, args, export_gguf,
-                            llama_imatrix)
-            except Exception as exc:  # recorded; the other formats still run
-                entry["error"] = f"{type(exc).__name__}: {exc}"[:800]
-                print(f"{fmt}: {entry['error']}", flush=True)
-            common.write(args.out, out)
+            kls = {}
+            for source in sources:
+                entry = out["formats"].setdefault(fmt, {})
+                entry = entry.setdefault(source, {}) if len(sources) > 1 else entry
+                entry["imatrix_source"] = source
+                try:
+                    kls[source] = _run_format(fmt, entry, model, folder, calib, held, ref, f32, work, args,
+                                              export_gguf, llama_imatrix, source)
+                except Exception as exc:  # recorded; the other formats still run
+                    entry["error"] = f"{type(exc).__name__}: {exc}"[:800]
+                    print(f"{fmt} ({source}): {entry['error']}", flush=True)
+                common.write(args.out, out)
+            if len(kls) == 2:
+                out["formats"][fmt]["float_vs_replay"] = _sources_compared(out["formats"][fmt], kls)
+                common.write(args.out, out)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     print(HEADER)
     for fmt in formats:
-        print(_row(fmt, out["formats"][fmt]))
+        for source in sources:
+            e = out["formats"][fmt]
+            print(_row(fmt if len(sources) == 1 else f"{fmt}/{source[0]}", e if len(sources) == 1 else e[source]))
     common.write(args.out, out)
     return 0
 
 
+def _sources_compared(by_source: dict, kls: dict) -> dict:
+    """Float against replay imatrix source, per side: mean KL of each, their ratio, and the paired difference
+    replay - float over the same tokens (positive: the float source closer to the float model)."""
+    out = {}
+    for side in ("jgptq_gptq", "llama_cpp"):
+        r, f = by_source["replay"].get(side, {}), by_source["float"].get(side, {})
+        if "kl_mean" not in r or "kl_mean" not in f:
+            continue
+        out[side] = {"kl_mean_replay": r["kl_mean"], "kl_mean_float": f["kl_mean"],
+                     "ratio_float_over_replay": f["kl_mean"] / r["kl_mean"] if r["kl_mean"] > 0 else float("nan"),
+                     "paired_replay_minus_float": _paired(kls["replay"][side], kls["float"][side])}
+    return out
+
+
 def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, args, export_gguf,
-               llama_imatrix):
+               llama_imatrix, source="replay"):
+    """One format with jgptq's imatrix collected on ``source``: fills ``entry``, returns the per-token KL of
+    each side."""
     import gguf
 
     from benchmarks.quality import llama_side
 
     qtype = gguf.GGMLQuantizationType[fmt.upper()].name
     # jgptq GPTQ
-    model, result, seconds = _quantize_jgptq(folder, calib, fmt, "gptq", min(32, args.calib_seqs))
+    model, result, seconds = _quantize_jgptq(folder, calib, fmt, "gptq", min(32, args.calib_seqs),
+                                             imatrix_source=source)
+    entry["jgptq_methods"] = {m: sum(r.method == m for r in result.report.records) for m in ("gptq", "rtn")}
+    kept = sorted(r.name for r in result.report.records if r.reason.startswith("lower loss"))
+    entry["jgptq_plain_kept"] = {"count": len(kept), "first": kept[:24]}
     path_g = os.path.join(work, f"jgptq-gptq-{fmt}.gguf")
     export_gguf(model, result, path_g, overwrite=True, float_type="f32", float_embeddings=True)
     types = llama_side.tensor_types(path_g)
@@ -267,3 +320,4 @@ def _run_format(fmt, entry, float_model, folder, calib, held, ref, f32, work, ar
     entry["median_ratio_llama_over_jgptq"] = (entry["llama_cpp"]["kl_median"] / entry["jgptq_gptq"]["kl_median"]
                                               if entry["jgptq_gptq"]["kl_median"] > 0 else float("inf"))
     print(_row(fmt, entry), flush=True)
+    return per_token

@@ -148,7 +148,7 @@ def build_config(args, dtype: str) -> PipelineConfig:
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
                                 offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
                                 mix=mix, formats=tuple(rules), importance=args.importance,
-                                block_fallback=args.block_fallback)
+                                imatrix_source=args.imatrix_source, block_fallback=args.block_fallback)
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ import jax
 import torch
 
 from interop import calib as calib_mod
-from interop import capture, importance, models, weight_checks
+from interop import capture, float_stream, importance, models, weight_checks
 from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_torch
@@ -56,6 +56,7 @@ from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from interop.progress import LayerProgress, stage_bar
 from interop.stores import Stores
 from jgptq import plan as plan_mod
+from jgptq.bucket import PLAIN_KEPT
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
 
@@ -76,6 +77,8 @@ class _Run:
     device: object
     devices: object = None
     given: dict = None
+    float_hidden: list = None    # the float model's stream (imatrix_source="float"): layer i's inputs when all
+                                 # earlier layers are float, one tensor per batch; None without that stream
     stores: Stores = dataclasses.field(default_factory=Stores)
     warmed: set = dataclasses.field(default_factory=set)
     said: set = dataclasses.field(default_factory=set)   # warnings already shown
@@ -169,7 +172,8 @@ def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     run_device = offload_mod.run_device(device, layers[0])
     placement = offload_mod.Placement(model, layers, cfg, run_device)
-    activations = offload_mod.hidden_bytes(model, batch_list) * 2  # a layer's inputs and outputs coexist
+    # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set
+    activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix) else 2)
     placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")
                      for layer, t in zip(layers, targets)])      # before any work: over budget is an error
     weight_checks.check_finite_weights(targets, prefix)         # NaN/Inf named by weight and expert, up front
@@ -211,8 +215,11 @@ def _run_layers(run: _Run, ckpt, start: int) -> None:
         hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
         if start:
             hidden = ckpt.load_hidden(start, run.device)
+        if float_stream.enabled(run.cfg, run.given):
+            run.float_hidden = ckpt.load_hidden(start, run.device, stream="float") if start else hidden
         report.add_time(start, "capture", time.perf_counter() - t0)
-        placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device))
+        placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device)
+                                    + (0 if run.float_hidden is None else offload_mod.nbytes(hidden)))
     progress = LayerProgress(start, n, enabled=run.cfg.progress)
     for i in progress:
         layer = _timed_move(run, i, placement.fetch)
@@ -223,7 +230,8 @@ def _run_layers(run: _Run, ckpt, start: int) -> None:
             run.stores.collect(run.result.weights, report)
             ckpt.save_layer(i, {k: v for k, v in run.result.weights.items() if k not in before},
                             resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
-                            importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]))
+                            importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]),
+                            None if i == n - 1 else run.float_hidden)
     run.stores.collect(run.result.weights, report)
 
 
@@ -242,9 +250,18 @@ def _layer_step(run: _Run, i: int, layer, hidden: list, layer_inputs: list, stag
     stage("compile")
     warm = _warm_up(run, target)
     stage("calibrate")
-    collector = _calibrate(run, i, layer, hidden, layer_inputs)
+    # the float stream's inputs are this run's (the first layer): the calibration forward serves both
+    shared = run.float_hidden is hidden and bool(target.linears or target.experts)
+    outputs = [] if shared and i < len(run.layers) - 1 else None
+    collector = _calibrate(run, i, layer, hidden, layer_inputs, outputs)
+    imatrix_from = collector
+    if run.float_hidden is not None:
+        stage("float")
+        imatrix_from = collector if shared else float_stream.float_pass(run, i, layer, layer_inputs)
+        if shared:
+            run.float_hidden = outputs
     stage("solve")
-    solved = _solve(run, i, collector, warm)
+    solved = _solve(run, i, collector, warm, imatrix_from)
     _write_back(run, i, solved)
     if i == len(run.layers) - 1:
         return hidden
@@ -261,8 +278,9 @@ def _warm_up(run: _Run, target):
     return warm_solves(target, run.cfg, devices=run.devices)
 
 
-def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list):
-    """Runs the float layer on every batch with the capture attached; returns the filled Collector."""
+def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list, outputs: list = None):
+    """Runs the float layer on every batch with the capture attached; returns the filled Collector (the layer's
+    outputs are appended to ``outputs`` when it is a list)."""
     target, cfg = run.targets[i], run.cfg
     collector = capture.Collector(target.linears, target.experts, statistics.calibration(
         cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
@@ -272,19 +290,22 @@ def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list):
             for b, batch in enumerate(stage_bar(run.batch_list, desc=f"layer {i} calibrate", enabled=cfg.progress)):
                 rest, kw = layer_inputs[b][i]
                 with collector.batch(batch.attention_mask.to(hidden[b].device)):
-                    run_layer(layer, hidden[b], rest, kw)
+                    out = run_layer(layer, hidden[b], rest, kw)
+                if outputs is not None:
+                    outputs.append(out)
         jax.block_until_ready([s for s in collector.states.values()])
         run.placement.note_hessians(collector.states)
     run.report.add_time(i, "calibrate", time.perf_counter() - t0)
     return collector
 
 
-def _solve(run: _Run, i: int, collector, warm) -> list:
-    """The layer's importance statistic, expert coverage and one quantize call per bucket."""
+def _solve(run: _Run, i: int, collector, warm, imatrix_from=None) -> list:
+    """The layer's importance statistic (from ``imatrix_from``, default ``collector``), expert coverage and one
+    quantize call per bucket."""
     t0 = time.perf_counter()
     target, base, report = run.targets[i], f"{run.prefix}.{i}", run.report
     threshold = run.cfg.moe.threshold(collector.batch_tokens)
-    stats = importance.layer_imatrix(collector, run.prefix, i, target)
+    stats = importance.layer_imatrix(imatrix_from or collector, run.prefix, i, target)
     run.result.imatrix.update(stats)
     stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats if run.given is None else run.given)
     for name, counts in collector.routed.items():
@@ -337,7 +358,7 @@ def _record(report, layer_idx: int, m, stack, res, threshold: int) -> None:
     low = []
     for e in range(m.count):
         name = stack.name if m.layout is None else f"{stack.name}[{e}]"
-        if res.reason[e]:
+        if res.reason[e] and not res.reason[e].startswith(PLAIN_KEPT):
             low.append(e)
         report.records.append(ModuleRecord(
             name=name, layer=layer_idx, kind=m.kind, shape=(m.rows, m.cols), tokens=int(stack.tokens[e]),

@@ -190,10 +190,12 @@ class Checkpoint:
         return self.dir / f"inputs-{i:05d}.safetensors"
 
     # -- writing -----------------------------------------------------------------------------------------------
-    def save_layer(self, i: int, weights: dict, report_part: dict, next_hidden, imatrix=None) -> None:
+    def save_layer(self, i: int, weights: dict, report_part: dict, next_hidden, imatrix=None,
+                   float_hidden=None) -> None:
         """Stores layer ``i``'s records (checkpoint key -> QuantizedWeight or GGMLWeight), its importance statistic
         (parameter name -> ImatrixEntry), its report part and (unless it was the last layer) the next layer's
-        inputs, then marks the layer finished."""
+        inputs (and those of the float model's stream, ``float_hidden``, when the run carries it), then marks the
+        layer finished."""
         from safetensors.numpy import save_file as save_numpy
         from safetensors.torch import save_file as save_torch
 
@@ -215,6 +217,7 @@ class Checkpoint:
         _replace_into(self._layer(i, ".json"), lambda p: p.write_text(json.dumps(report_part)))
         if next_hidden is not None:
             tensors = {str(b): h.detach().to("cpu").contiguous() for b, h in enumerate(next_hidden)}
+            tensors.update({f"float.{b}": h.detach().to("cpu").contiguous() for b, h in enumerate(float_hidden or ())})
             _replace_into(self._inputs(i + 1), lambda p: save_torch(tensors, str(p)))
         state = {"version": FORMAT_VERSION, "layers_done": i + 1, "fingerprint": self.fingerprint}
 
@@ -248,8 +251,9 @@ class Checkpoint:
         part["imatrix"] = stats
         return weights, part
 
-    def load_hidden(self, i: int, device) -> list:
-        """The stored inputs of layer ``i``, one tensor per calibration batch, on ``device``."""
+    def load_hidden(self, i: int, device, stream: str = "replay") -> list:
+        """The stored inputs of layer ``i``, one tensor per calibration batch, on ``device``: the run's
+        (``stream="replay"``) or the float model's stream (``"float"``)."""
         from safetensors.torch import load_file
 
         path = self._inputs(i)
@@ -257,7 +261,12 @@ class Checkpoint:
             raise ResumeMismatchError(f"{path.name} is missing from {self.dir}; start over with resume=False "
                                       f"(command line: --no-resume)")
         stored = load_file(str(path))
-        return [stored[str(b)].to(device) for b in range(len(stored))]
+        prefix = "float." if stream == "float" else ""
+        count = sum(1 for k in stored if k.startswith(prefix) and k[len(prefix):].isdigit())
+        if not count:
+            raise ResumeMismatchError(f"{path.name} in {self.dir} holds no inputs of the {stream} stream; start "
+                                      f"over with resume=False (command line: --no-resume)")
+        return [stored[f"{prefix}{b}"].to(device) for b in range(count)]
 
 
 def report_part(report, layer: int, prefix: str, marks: tuple) -> dict:

@@ -13,7 +13,13 @@ from the plan and the calibration, and every fallback:
   damping makes positive definite falls back to round-to-nearest inside the solver (``fallback``);
 - ``method="rtn"``: round-to-nearest on the same grids, or with a GGML format the plain encode with importance
   (llama.cpp's imatrix-only quantization);
-- GGML formats: the payload bytes are the solver's own and the weight returned is exactly their decode.
+- GGML formats with ``method="gptq"``: each matrix is also given the plain encode (with the same importance) in
+  the same program, both results are scored by the Hessian-weighted loss ``trace((W - Q) H (W - Q)^T)`` on the
+  matrix's own calibration Hessian (float32, fixed summation order), and the lower is kept; a matrix whose plain
+  encode wins is reported as ``rtn`` with the reason ``lower loss: plain ... < gptq ...``. The guard costs one plain
+  encode and two (R, C) x (C, C) products per matrix;
+- GGML formats: the payload bytes are the solver's own (or the plain encode's, above) and the weight returned is
+  exactly their decode.
 
 Example::
 
@@ -34,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgptq import parallel
+from jgptq import gptq, parallel
 from jgptq.config import QuantConfig
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from jgptq.quantizers import uniform
@@ -187,6 +193,7 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     if ggml and stacks[0].importance is not None:
         importance = jnp.concatenate([jnp.asarray(s.importance, jnp.float32) for s in stacks])
     fields: dict = {}
+    kept_plain = [False] * len(tokens)
     if plan.method == "rtn" and ggml:
         fields["payload"], fields["weight"] = parallel.encode_experts(plain_encoder(quant.format), weights,
                                                                       importance)
@@ -195,10 +202,17 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     else:
         hessians = _bucket_hessians(stacks, low, cols)
         names = ", ".join(s.name for s in stacks)
-        res = parallel.solve_experts(weights, hessians, quant, name=f"{names} ({rows}x{cols})", devices=devices,
-                                     importance=importance)
+        name = f"{names} ({rows}x{cols})"
+        if ggml:
+            res, losses = _gptq_or_plain(weights, hessians, importance, quant, name, devices)
+            plain_won = np.asarray(losses.plain < losses.gptq) & ~np.asarray(low)
+            for i in np.flatnonzero(plain_won):
+                reasons[i] = f"{PLAIN_KEPT}: plain {float(losses.plain[i]):.4g} < gptq {float(losses.gptq[i]):.4g}"
+            kept_plain = plain_won.tolist()
+        else:
+            res = parallel.solve_experts(weights, hessians, quant, name=name, devices=devices, importance=importance)
         fields.update({k: getattr(res, k) for k in ("weight",) + _FIGURES + _ARRAYS})
-        if ggml and any(low):
+        if ggml and any(low):  # too few tokens: the plain encode (the kept plain encodes are already in place)
             plain, _ = parallel.encode_experts(plain_encoder(quant.format), weights, importance)
             mask = jnp.asarray(low)[:, None, None, None]
             fields["payload"] = jnp.where(mask, jax.device_put(plain, _device(res.payload)), res.payload)
@@ -212,13 +226,14 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     for k, empty in (("loss", np.nan), ("damp_used", np.nan), ("damp_stage", -1), ("fallback", False),
                      ("dead_columns", 0)):
         fields[k] = np.full(n, empty) if fields.get(k) is None else np.asarray(fields[k])
-    fields["loss"] = np.where(np.asarray(low), np.nan, fields["loss"])  # no GPTQ loss for fallbacks
+    not_gptq = [a or b for a, b in zip(low, kept_plain)]
+    fields["loss"] = np.where(np.asarray(not_gptq), np.nan, fields["loss"])  # no GPTQ loss where it was not kept
     out, start = [], 0
     for s in stacks:
         sl = slice(start, start + s.weight.shape[0])
         whole = len(stacks) == 1
         part = {k: None if v is None else v if whole else v[sl] for k, v in fields.items()}
-        methods = tuple("rtn" if plan.method == "rtn" or low[i] else "gptq" for i in range(sl.start, sl.stop))
+        methods = tuple("rtn" if plan.method == "rtn" or not_gptq[i] else "gptq" for i in range(sl.start, sl.stop))
         out.append(Solved(plan=plan, method=methods, reason=tuple(reasons[sl]), **part))
         start = sl.stop
     return out
@@ -226,6 +241,60 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
 
 def _device(x):
     return next(iter(x.devices()))
+
+
+PLAIN_KEPT = "lower loss"   # the reason of a matrix whose plain encode scored below its GPTQ solve
+
+
+class Losses(NamedTuple):
+    """float32 (N,) Hessian-weighted losses ``trace((W - Q) H (W - Q)^T)`` of the GPTQ result and of the plain
+    encode of every matrix of a GGML bucket."""
+
+    gptq: np.ndarray
+    plain: np.ndarray
+
+
+def hessian_loss(weight: jax.Array, quantized: jax.Array, hessian: jax.Array) -> jax.Array:
+    """``trace((W - Q) H (W - Q)^T)`` of one matrix: ``weight``, ``quantized`` float (R, C), ``hessian`` float32
+    (C, C) -> float32 scalar. Traceable; products at precision HIGHEST and the sum in a fixed pairwise order, so
+    the bits are the same whether or not it is vmapped (the choice it feeds must not depend on the devices)."""
+    with jax.default_matmul_precision("highest"):
+        d = quantized.astype(jnp.float32) - weight.astype(jnp.float32)
+        x = jax.lax.optimization_barrier((d @ hessian.astype(jnp.float32)) * d).reshape(-1)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _GPTQOrPlain:
+    """The per-matrix program of a GGML GPTQ bucket: the GPTQ solve and the plain encode, each scored by
+    :func:`hessian_loss` on the matrix's Hessian; the GPTQ result with the plain encode's bytes and weight where
+    those score strictly lower, and both losses (hashable: compiled programs are cached per config)."""
+
+    config: QuantConfig
+
+    def __call__(self, weight, hessian, importance):
+        res = gptq.solve_unchecked(weight, hessian, importance, self.config)
+        payload, decoded = plain_encoder(self.config.format)(weight, importance)
+        loss_gptq = hessian_loss(weight, res.weight, hessian)
+        loss_plain = hessian_loss(weight, decoded, hessian)
+        plain = loss_plain < loss_gptq
+        return res._replace(payload=jnp.where(plain, payload, res.payload),
+                            weight=jnp.where(plain, decoded, res.weight)), loss_gptq, loss_plain
+
+
+def _gptq_or_plain(weights, hessians, importance, quant: QuantConfig, name: str, devices):
+    """The GGML GPTQ solve of a bucket with the plain-encode guard, over the devices: (GPTQResult with the kept
+    bytes, :class:`Losses`)."""
+    gptq.check_inputs(weights, hessians, importance, quant, name, batched=True)
+    h_axis = None if hessians.ndim == 2 else 0
+    i_axis = None if importance is None or importance.ndim == 1 else 0
+    res, loss_gptq, loss_plain = parallel.map_experts(_GPTQOrPlain(quant), (weights, hessians, importance),
+                                                      (0, h_axis, i_axis), devices=devices)
+    return res, Losses(np.asarray(loss_gptq), np.asarray(loss_plain))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -19,8 +19,8 @@ import os
 import sys
 import textwrap
 
-from jgptq.config import (ACT_ORDERS, HESSIAN_DTYPES, IMPORTANCES, METHODS, MOE_CALIBRATIONS, OFFLOADS, MoEConfig,
-                          PipelineConfig, QuantConfig)
+from jgptq.config import (ACT_ORDERS, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES, METHODS, MOE_CALIBRATIONS,
+                          OFFLOADS, MoEConfig, PipelineConfig, QuantConfig)
 from jgptq.mixes import PRESETS
 from jgptq.version import __version__
 
@@ -114,6 +114,11 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--importance", choices=IMPORTANCES, default=importance,
                    help="importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
                         f"the Hessian diagonal, or none (default: {importance})")
+    source = default(PipelineConfig, "imatrix_source")
+    g.add_argument("--imatrix-source", choices=IMATRIX_SOURCES, default=source,
+                   help="inputs the imatrix statistic is collected on: replay (each layer's inputs in this run, "
+                        "earlier layers quantized) or float (earlier layers float, as llama-imatrix; one more "
+                        f"forward per layer) (default: {source})")
     fallback = default(PipelineConfig, "block_fallback")
     g.add_argument("--block-fallback", default=fallback, metavar="FORMAT",
                    help="GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "

@@ -19,6 +19,7 @@ MOE_CALIBRATIONS = ("routed", "all_experts")
 HESSIAN_DTYPES = ("float32", "bfloat16")
 OFFLOADS = ("none", "cpu", "disk")
 IMPORTANCES = ("imatrix", "hessian", "none")
+IMATRIX_SOURCES = ("replay", "float")
 
 
 def _fail(field: str, value, rule: str):
@@ -206,6 +207,12 @@ class PipelineConfig:
         (the encoders' unweighted path; refused for formats llama.cpp will not make without importance:
         ``jgptq.mixes.NEEDS_IMPORTANCE``). An imatrix given to :func:`jgptq.quantize_moe` replaces the collected
         one.
+      imatrix_source: the inputs the importance statistic (``result.imatrix``, the ``"imatrix"`` importance) is
+        collected on: ``"replay"`` (each layer's inputs in this run, where the earlier layers are already
+        quantized: the inputs GPTQ's Hessians see) or ``"float"`` (the inputs each layer gets when every earlier
+        layer is float, llama.cpp's definition). ``"float"`` carries a second stream of hidden states through the
+        float layers: one more forward of each layer per batch (the first layer's is shared with its calibration)
+        and one more set of a layer's hidden states in memory.
       formats: per-weight GGML formats: ``((regex, format), ...)`` matched (``re.search``) against the weight's
         name relative to its decoder layer (``self_attn.v_proj``, ``mlp.experts.down_proj``); the first match
         wins, else ``mix``, else ``quant.format`` (:mod:`jgptq.mixes`).
@@ -232,6 +239,7 @@ class PipelineConfig:
     reload: bool = True
     keep_offload_files: bool = False
     importance: str = "imatrix"
+    imatrix_source: str = "replay"
     formats: tuple = ()
     mix: "str | None" = None
     block_fallback: str = "error"
@@ -266,6 +274,8 @@ class PipelineConfig:
 
         if self.importance not in IMPORTANCES:
             _fail_in("PipelineConfig", "importance", self.importance, f"must be one of {IMPORTANCES}")
+        if self.imatrix_source not in IMATRIX_SOURCES:
+            _fail_in("PipelineConfig", "imatrix_source", self.imatrix_source, f"must be one of {IMATRIX_SOURCES}")
         if self.mix is not None:
             if self.mix not in mixes.PRESETS:
                 _fail_in("PipelineConfig", "mix", self.mix, f"must be None or one of {sorted(mixes.PRESETS)}")

@@ -9,7 +9,7 @@ import torch
 
 import jgptq
 from interop import importance, layerwise, resume
-from jgptq import mixes, parallel, plan
+from jgptq import bucket, mixes, plan
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight
 from jgptq.ggml import encode, get_format
@@ -51,14 +51,13 @@ def assert_payloads_are_the_model(model, result):
 def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkeypatch):
     _RUNS.pop(("qwen3_moe", tuple(sorted((k, str(v)) for k, v in GPTQ.items()))), None)  # counts this run's calls
     calls = []
-    original = parallel.solve_experts
+    original = bucket._gptq_or_plain      # a GGML bucket's one solve (GPTQ and the plain encode, the lower kept)
 
-    def counting(weights, hessians, config, **kw):
-        calls.append((tuple(weights.shape), config.format, None if kw.get("importance") is None
-                      else tuple(kw["importance"].shape)))
-        return original(weights, hessians, config, **kw)
+    def counting(weights, hessians, importance, config, name, devices):
+        calls.append((tuple(weights.shape), config.format, None if importance is None else tuple(importance.shape)))
+        return original(weights, hessians, importance, config, name, devices)
 
-    monkeypatch.setattr(parallel, "solve_experts", counting)
+    monkeypatch.setattr(bucket, "_gptq_or_plain", counting)
     ref, model, result = run("qwen3_moe", **GPTQ)
     assert_payloads_are_the_model(model, result)
     cfg = model.config
@@ -67,9 +66,10 @@ def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkey
         want = "q8_0" if key.endswith(("v_proj.weight", "down_proj.weight")) else "q4_0"
         assert rec.format == want, key
     # experts under the token threshold: exactly the plain encode of the float weight, reported with the reason
-    low = [r for r in result.report.records if r.method == "rtn"]
+    low = [r for r in result.report.records if r.method == "rtn" and not r.reason.startswith(bucket.PLAIN_KEPT)]
     assert low and all(r.reason.endswith("< 60") and r.tokens < 60 for r in low)
-    assert {r.method for r in result.report.records if r.tokens >= 60} == {"gptq"}
+    assert {r.method for r in result.report.records if r.tokens >= 60 and not r.reason} == {"gptq"}
+    assert all(r.reason.startswith(bucket.PLAIN_KEPT) for r in result.report.records if r.tokens >= 60 and r.reason)
     assert any("fewer than 60 calibration tokens" in w and "plain q4_0 encode" in w for w in result.report.warnings)
     params = dict(ref.named_parameters())
     for r in low:

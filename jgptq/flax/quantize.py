@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
+from jgptq.bucket import PLAIN_KEPT, MatrixPlan, Stack, quantize_bucket
 from jgptq.config import METHODS, QuantConfig
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
@@ -29,6 +29,7 @@ from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, Weig
 log = logging.getLogger("jgptq")
 
 MODES = ("sequential", "all_at_once")
+_EXPERT_LISTS = ("no_token_experts", "plain_kept")   # figures that list experts (never squeezed)
 
 
 class QuantizeResult(NamedTuple):
@@ -43,7 +44,8 @@ class QuantizeResult(NamedTuple):
         solved matrix stack; :func:`decode` turns one back into weights.
       report: ``{"mode", "method", "batches", "weights": {name: figures}, "skipped": {path: reason}}``; figures:
         order, shape, tokens (per expert), loss, damp_used, damp_stage, fallback, dead_columns, no_token_experts
-        (solved as round-to-nearest), unmasked (a mask was given but did not apply to these inputs).
+        (solved as round-to-nearest), plain_kept (GGML formats: experts whose plain encode had the lower
+        Hessian-weighted loss and was kept, see :mod:`jgptq.bucket`), unmasked (a mask was given but did not apply to these inputs).
       hessians: ``{weight name: float32 (E, C, C)}`` when ``keep_hessians``, else None.
     """
 
@@ -126,6 +128,7 @@ def solve_weight(weights, hessians, tokens, config: QuantConfig, *, method: str 
                if getattr(solved, k) is not None}
     figures = {k: v for k, v in solved.figures().items() if k not in ("method", "reason")}
     figures["no_token_experts"] = empty.tolist()
+    figures["plain_kept"] = [e for e, why in enumerate(solved.reason) if why.startswith(PLAIN_KEPT)]
     return solved.weight, payload, figures
 
 
@@ -175,7 +178,7 @@ class _Pipeline:
             **{k: (v[0] if squeeze else v) for k, v in payload.items()},
             "info": info, "layout": info.layout, "index": info.index,
             "shape": (info.experts, info.out_features, info.in_features)}
-        figures = {k: (v[0] if squeeze and isinstance(v, list) and k != "no_token_experts" else v)
+        figures = {k: (v[0] if squeeze and isinstance(v, list) and k not in _EXPERT_LISTS else v)
                    for k, v in figures.items()}
         self.figures[info.name] = {"order": unit.order, "shape": self.payloads[info.name]["shape"],
                                    "tokens": tokens.tolist(), "unmasked": unit.unmasked,

@@ -172,6 +172,9 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
     assert cfg.quant.format == "q4_k" and cfg.mix == "q4_k_m" and cfg.method == "rtn"
     assert cfg.formats == ((r"v_proj$", "q8_0"), ("experts", "iq4_xs"))
     assert cfg.importance == "hessian" and cfg.block_fallback == "llama.cpp"
+    assert cfg.imatrix_source == "replay"
+    assert command.build_config(parsed("--export", "gguf", "--format", "q4_k", "--imatrix-source", "float"),
+                                "float32").imatrix_source == "float"
     with pytest.raises(command.CommandError, match="REGEX=FORMAT"):
         command.build_config(parsed("--export", "gguf", "--format", "q4_k", "--tensor-format", "v_proj"), "float32")
     with pytest.raises(ValueError, match="needs importance"):
