@@ -65,6 +65,7 @@ class Report:
     skipped: list = dataclasses.field(default_factory=list)      # (name, reason) left in floating point
     warnings: list = dataclasses.field(default_factory=list)
     memory: dict = dataclasses.field(default_factory=dict)      # bytes by place (see interop.offload)
+    allocation: dict = dataclasses.field(default_factory=dict)  # a target_bpw run's choice (interop.sensitivity)
 
     def add_time(self, layer: int, stage: str, seconds: float):
         stages = self.timings.setdefault(int(layer), {})
@@ -93,6 +94,7 @@ class Report:
             "records": records, "coverage": self.coverage, "thresholds": self.thresholds,
             "timings": {str(k): v for k, v in self.timings.items()}, "stage_totals": self.stage_totals(),
             "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings), "memory": self.memory,
+            "allocation": self.allocation,
         }
 
     def to_json(self, path: Optional[str] = None, **kwargs) -> str:
@@ -144,6 +146,11 @@ class Report:
             formats[r.format] = formats.get(r.format, 0) + 1
         if set(formats) - {"int"}:
             out.append("formats (matrices): " + ", ".join(f"{f} {n}" for f, n in sorted(formats.items())))
+        if self.allocation:
+            a = self.allocation
+            out.append(f"target {a['target_bpw']:g} bpw: {a['achieved_bpw']:.4f} bpw, {a['total_bytes']} of "
+                       f"{a['budget_bytes']} bytes; predicted objective {a['predicted_objective']:.4g} "
+                       f"(gain {a['gain']})")
         if self.coverage:
             out += ["expert coverage:", self.coverage_table()]
             low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}
