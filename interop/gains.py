@@ -120,6 +120,15 @@ def _expert_sums(sums: _Sums, pending: list) -> None:
     pending.clear()
 
 
+def draw_labels(logits: torch.Tensor, generator: torch.Generator, rows: int = 4096) -> torch.Tensor:
+    """int64 (N,) labels drawn from the next-token distributions of float ``logits`` (N, V), ``rows`` at a time
+    (the probabilities of a chunk go to host memory in float64, so the draws do not depend on the device)."""
+    with torch.no_grad():
+        out = [torch.multinomial(torch.softmax(chunk.detach().double(), -1).cpu(), 1, generator=generator)[:, 0]
+               for chunk in logits.split(rows)]
+    return torch.cat(out).to(logits.device)
+
+
 def fisher_gains(model, batch_list, *, seed: int = 0) -> dict:
     """The gain of every target matrix of ``model``'s decoder layers (module docstring).
 
@@ -153,12 +162,10 @@ def fisher_gains(model, batch_list, *, seed: int = 0) -> dict:
                 mask = batch.attention_mask.to(device)
                 state["keep"] = mask.reshape(-1).to(torch.bool)
                 logits = model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False).logits
-                logp = torch.log_softmax(logits.float(), -1)
-                with torch.no_grad():
-                    probs = logp.exp().reshape(-1, logp.shape[-1]).cpu().double()
-                    labels = torch.multinomial(probs, 1, generator=generator).to(device)
-                picked = logp.reshape(-1, logp.shape[-1]).gather(1, labels).reshape(mask.shape)
-                (-(picked * mask.to(picked.dtype)).sum()).backward()
+                flat = logits.reshape(-1, logits.shape[-1])
+                labels = draw_labels(flat, generator)
+                nll = torch.nn.functional.cross_entropy(flat.float(), labels, reduction="none")
+                (nll * mask.reshape(-1).to(nll.dtype)).sum().backward()
                 _expert_sums(sums, pending)
     finally:
         handle.remove()

@@ -184,19 +184,34 @@ def reallocate(allocation: dict, target_bpw: float) -> dict:
                            tuple(g["costs"].values())) for g in rows]
     budget = math.floor(target_bpw * weights)
     fixed_bits = 8 * sum(f["bytes"] for f in allocation["fixed"])
-    least = fixed_bits + sum(min(g.sizes) for g in problem)
-    if least > budget:
-        cheapest = ", ".join(sorted({g.formats[int(np.argmin(g.sizes))] for g in problem}))
-        raise ValueError(f"target_bpw={target_bpw:g} is below the {least / weights:.4g} bits per weight of every "
-                         f"tensor at its cheapest candidate ({cheapest}"
-                         f"{', and the tensors formats/exclude fix' if allocation['fixed'] else ''}); raise it or "
-                         f"add cheaper target_formats")
+    _refuse_below(target_bpw, budget, weights, fixed_bits + sum(min(g.sizes) for g in problem),
+                  {g.formats[int(np.argmin(g.sizes))] for g in problem}, bool(allocation["fixed"]))
     solution = alloc.allocate(problem, budget - fixed_bits)
     for g, group, k in zip(rows, problem, solution.choice):
         g.update(format=group.formats[k], bpw=group.sizes[k] / g["weights"], bytes=group.sizes[k] // 8)
     total = solution.size + fixed_bits
     return dict(allocation, target_bpw=float(target_bpw), budget_bytes=budget // 8, total_bytes=total // 8,
                 achieved_bpw=total / weights, predicted_objective=solution.cost, groups=rows)
+
+
+def _refuse_below(target_bpw, budget: int, weights: int, least: int, cheapest: set, fixed: bool) -> None:
+    if least > budget:
+        raise ValueError(f"target_bpw={target_bpw:g} is below the {least / weights:.4g} bits per weight of every "
+                         f"tensor at its cheapest candidate ({', '.join(sorted(cheapest))}"
+                         f"{', and the tensors formats/exclude fix' if fixed else ''}); raise it or add cheaper "
+                         f"target_formats")
+
+
+def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
+    """Refuses a target below every tensor at its cheapest candidate (groups share the candidates of their
+    first member, as the allocation does)."""
+    least, cheapest = sum(b // 8 * 8 for _, b in fixed.values()), set()
+    for param, (_, _, m, names) in free.items():
+        sizes = {f: alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant) for f in names}
+        best = min(sizes, key=sizes.get)
+        least += sizes[best] // 8 * 8
+        cheapest.add(best)
+    _refuse_below(cfg.target_bpw, math.floor(cfg.target_bpw * weights), weights, least, cheapest, bool(fixed))
 
 
 def target_weights(model) -> int:
@@ -224,12 +239,15 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
 
     prefix, layers = models.find_decoder_layers(model)
     free, fixed, weights = _layout(cfg, prefix, layers)
+    _check_reachable(cfg, free, fixed, weights)   # before any work
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
     run = layerwise._prepare(model, calib, probe, tokenizer, device, devices, imatrix)
-    key = resume_mod.fingerprint(model, run.batch_list, cfg, len(layers), imatrix=imatrix)
-    key = {k: key[k] for k in ("model", "calibration", "config")}
+    key = None
+    if saved is not None:
+        key = resume_mod.fingerprint(model, run.batch_list, cfg, len(layers), imatrix=imatrix)
+        key = {k: key[k] for k in ("model", "calibration", "config")}
     if saved is not None and resume and saved.exists():
         stored = json.loads(saved.read_text())
         if stored.get("fingerprint") == key:
