@@ -43,7 +43,8 @@ def paths_for(out) -> dict:
     """The files a run writes beside its output folder ``out``."""
     out = Path(out)
     return {"out": out, "work": out.with_name(out.name + ".jgptq-work"),
-            "report": out.with_name(out.name + ".report.json"), "plot": out.with_name(out.name + ".loss.svg")}
+            "report": out.with_name(out.name + ".report.json"), "plot": out.with_name(out.name + ".loss.svg"),
+            "bits": out.with_name(out.name + ".bits.svg")}
 
 
 def check_output(out, overwrite: bool) -> None:
@@ -231,6 +232,16 @@ def layer_loss_chart(report, path, title: str) -> None:
     Path(path).write_text(svg)
 
 
+def bits_chart(report, path, title: str) -> None:
+    """Writes an SVG chart of a target_bpw run's bits per weight per layer, one line per tensor group."""
+    from jgptq.plot import line_chart
+
+    series, layers = report.bits_by_layer()
+    if series:
+        Path(path).write_text(line_chart(series, x=layers, title=title, xlabel="decoder layer",
+                                         ylabel="bits per weight"))
+
+
 def run(args) -> int:
     """Runs a parsed command line of :mod:`jgptq.cli` (``args.command``: ``"quantize"`` or ``"demo"``); returns
     the exit status. The command line's one door into the torch side."""
@@ -308,10 +319,13 @@ def run_quantize(args) -> int:
                      source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
     result.report.to_json(str(files["report"]))
     layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    bits_chart(result.report, files["bits"], f"{model_dir.name}: bits per weight chosen for {cfg.target_bpw:g} bpw"
+               if cfg.target_bpw else "")
     shutil.rmtree(files["work"], ignore_errors=True)
     unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
     print(dataclasses.replace(result.report, warnings=unshown).summary())
     print(f"wrote {files['out']} ({args.export}), report {files['report']}"
           + (f", chart {files['plot']}" if files["plot"].exists() else "")
+          + (f", bits chart {files['bits']}" if files["bits"].exists() else "")
           + f" in {time.perf_counter() - t_start:.1f} s")
     return 0

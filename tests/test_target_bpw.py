@@ -154,3 +154,29 @@ def test_a_target_below_every_candidate_is_refused_before_any_work(monkeypatch):
     assert str(err.value) == ("target_bpw=3 is below the 5.267 bits per weight of every tensor at its cheapest "
                               "candidate (q4_0, and the tensors formats/exclude fix); raise it or add cheaper "
                               "target_formats")
+
+
+def test_the_report_shows_the_allocation_as_a_table_and_bits_per_layer():
+    from interop.report import Report
+
+    groups = [{"layer": 0, "name": "self_attn.q_proj", "format": "q8_0", "bpw": 8.5, "bytes": 4352,
+               "costs": {"q4_0": 2.0, "q8_0": 0.25}},
+              {"layer": 1, "name": "self_attn.q_proj", "format": "q4_0", "bpw": 4.5, "bytes": 2304,
+               "costs": {"q4_0": 0.5, "q8_0": 0.125}},
+              {"layer": 1, "name": "mlp.experts.down_proj", "format": "q4_0", "bpw": 4.5, "bytes": 9216,
+               "costs": {"q4_0": 1e-5, "q8_0": 1e-6}}]
+    fixed = [{"param": "model.layers.0.self_attn.o_proj.weight", "format": "float", "bytes": 8192}]
+    report = Report(config={}, allocation={"target_bpw": 5.0, "achieved_bpw": 5.1, "total_bytes": 15872,
+                                           "budget_bytes": 16000, "predicted_objective": 0.75, "gain": "one",
+                                           "groups": groups, "fixed": fixed})
+    assert report.allocation_table().splitlines() == [
+        "layer tensor group                 format      bpw        bytes        cost",
+        "    0 self_attn.q_proj             q8_0      8.500         4352        0.25",
+        "    1 self_attn.q_proj             q4_0      4.500         2304         0.5",
+        "    1 mlp.experts.down_proj        q4_0      4.500         9216       1e-05",
+        "      model.layers.0.self_attn.o_proj.weight fixed at float, 8192 bytes"]
+    series, layers = report.bits_by_layer()
+    assert layers == [0, 1] and series["self_attn.q_proj"] == [8.5, 4.5]
+    assert np.isnan(series["mlp.experts.down_proj"][0]) and series["mlp.experts.down_proj"][1] == 4.5
+    assert "target 5 bpw: 5.1000 bpw, 15872 of 16000 bytes; predicted objective 0.75 (gain one)" in report.summary()
+    assert Report(config={}).allocation_table() == "" and "target" not in Report(config={}).summary()

@@ -7,6 +7,7 @@ import pytest
 
 from interop.command import build_config, size_to_bpw
 from jgptq.cli import build_parser
+from tests.cli.test_cli import cli, env, model_dir, quantize_args  # noqa: F401 - fixtures
 from tests.cli.test_early_checks import refused, unloadable  # noqa: F401 - the fixture
 
 ARGS = ["quantize", "m", "--calib", "c.txt", "--out", "o.gguf"]
@@ -66,3 +67,38 @@ def test_the_help_lists_the_target_options():
     for option in ("--target-bpw BITS", "--target-size SIZE", "--target-formats LIST", "--target-gain"):
         assert option in text
     assert isinstance(build_parser().parse_args(ARGS + ["--target-bpw", "2"]), argparse.Namespace)
+
+
+
+def test_a_target_size_run_writes_its_allocation_to_the_gguf_file_the_report_and_a_chart(model_dir, env,  # noqa: F811
+                                                                                           tmp_path):
+    import json
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from interop.gguf_export import gguf_names
+    from interop.sensitivity import target_weights
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    size = target_weights(model) * 6 // 8                        # 6 bits per weight
+    out = tmp_path / "m.gguf"
+    done = cli(env, *[a for a in quantize_args(model_dir, out, "--export", "gguf", "--target-size", size,
+                                               "--target-formats", "q4_0,q8_0", "--method", "rtn",
+                                               "--target-gain", "one") if a != "--quiet"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "jgptq: --target-size %d: 6.0000 bits per weight" % size in done.stderr
+    report = json.loads(out.with_name("m.gguf.report.json").read_text())
+    a = report["allocation"]
+    assert a["target_bpw"] == pytest.approx(6.0) and a["total_bytes"] <= a["budget_bytes"] == size
+    assert {g["format"] for g in a["groups"]} == {"q4_0", "q8_0"}
+    assert "target 6 bpw: " in done.stdout and f"{'layer':>5} {'tensor group':<28} format" in done.stdout
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type.name.lower() for t in reader.tensors}
+    names = gguf_names(model)
+    for g in a["groups"]:
+        for param in g["params"]:
+            assert {types[n] for n, _ in names[param]} == {g["format"]}, param
+    written = sum(int(t.n_bytes) for t in reader.tensors if types[t.name] in ("q4_0", "q8_0"))
+    assert written == a["total_bytes"]
+    assert out.with_name("m.gguf.bits.svg").read_text().startswith("<svg")
