@@ -7,8 +7,8 @@ and a measured cost ``cost_g(f)`` (the gain-weighted output error of the group's
 :mod:`interop.sensitivity`). The allocation minimises ``sum_g cost_g(f_g)`` subject to
 ``sum_g size_g(f_g) <= budget``: a multiple-choice knapsack.
 
-- :func:`allocate` is the solver the pipeline uses. Small problems (the exact solver's Pareto front stays under
-  ``exact_front`` points) are solved exactly. Larger ones by dynamic programming over a grid of the budget
+- :func:`allocate` is the solver the pipeline uses. Small problems (at most ``exact_choices`` combinations, the
+  exact solver's Pareto front under ``exact_front`` points) are solved exactly. Larger ones by dynamic programming over a grid of the budget
   (sizes rounded up to ``budget / grid``, so the result always fits; it wastes at most one grid unit per group),
   whose result is then polished: a fill-in pass spends what is left on the single change that lowers the cost
   most, and exchanges (one group up, another down to make room) follow while one lowers the cost. The greedy
@@ -30,6 +30,7 @@ Candidate names are GGML format names, or ``"int2"`` .. ``"int8"`` for integer g
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from typing import NamedTuple, Sequence
 
@@ -194,14 +195,14 @@ def _total(groups, choice) -> Allocation:
                       float(sum(g.costs[c] for g, c in zip(groups, choice))))
 
 
-def allocate(groups: Sequence[Group], budget: int, *, exact_front: int = 20_000,
+def allocate(groups: Sequence[Group], budget: int, *, exact_front: int = 20_000, exact_choices: int = 10**6,
              grid: int = 100_000) -> Allocation:
     """The allocation of the pipeline (module docstring): never over ``budget`` bits.
 
     Args:
       groups: the :class:`Group` s; budget: the most bits all groups may take together (int).
-      exact_front: the exact solver is used while its Pareto front stays within this many points (small
-        problems); 0: never.
+      exact_front, exact_choices: the exact solver is used for problems of at most ``exact_choices`` candidate
+        combinations while its Pareto front stays within ``exact_front`` points (small problems); 0: never.
       grid: points of the budget grid of the dynamic programme used beyond (sizes rounded up to a unit of
         ``budget / grid`` bits, so the result always fits); its result is then improved by fill-in and
         exchanges, and the greedy's is taken where that is better.
@@ -211,7 +212,7 @@ def allocate(groups: Sequence[Group], budget: int, *, exact_front: int = 20_000,
       ValueError: a budget below every group at its smallest candidate, or a malformed group.
     """
     _check(groups, budget)
-    if exact_front:
+    if exact_front and math.prod(len(g.formats) for g in groups) <= exact_choices:
         try:
             return exact_allocate(groups, budget, max_front=exact_front)
         except _FrontTooLarge:

@@ -142,3 +142,48 @@ def test_bad_targets_are_refused_naming_the_field(kwargs, message):
     with pytest.raises(ValueError) as err:
         PipelineConfig.build(None, **kwargs)
     assert str(err.value).startswith(message), str(err.value)
+
+
+def relaxation_bound(groups, budget):
+    """The optimum of the linear relaxation (a lower bound of any allocation's cost): hull steps of every group
+    taken by falling slope, the last one in part. Written out here with numpy, from the points themselves."""
+    cost, left, steps = 0.0, budget, []
+    for g in groups:
+        pts = sorted(zip(g.sizes, g.costs))
+        hull = []
+        for p in pts:   # monotone chain: the lower-left convex hull, non-increasing cost
+            if hull and p[1] >= hull[-1][1]:
+                continue
+            while len(hull) >= 2:
+                (ax, ay), (bx, by) = hull[-2], hull[-1]
+                if (bx - ax) * (p[1] - ay) - (by - ay) * (p[0] - ax) > 0:   # a left turn: b stays
+                    break
+                hull.pop()
+            hull.append(p)
+        cost += hull[0][1]
+        left -= hull[0][0]
+        steps += [((a[1] - b[1]) / (b[0] - a[0]), b[0] - a[0], a[1] - b[1]) for a, b in zip(hull, hull[1:])]
+    for slope, size, drop in sorted(steps, reverse=True):
+        take = min(1.0, left / size)
+        cost -= take * drop
+        left -= take * size
+        if take < 1:
+            break
+    return cost
+
+
+def test_large_problems_come_within_a_percent_of_the_relaxation_bound():
+    rng = np.random.default_rng(4)
+    bpw = np.array([1.5625, 2.0625, 2.3125, 2.5625, 2.625, 3.0625, 3.4375, 4.25, 4.5, 5.5, 6.5625, 8.5])
+    groups = []
+    for layer in range(24):
+        for n in (4096 * 2048, 512 * 2048, 512 * 2048, 2048 * 4096, 64 * 1536 * 2048, 64 * 2048 * 768):
+            costs = tuple(float(rng.uniform(0.5, 2) * 2.0 ** (-1.6 * b) * n * 1e-9) for b in bpw)
+            groups.append(alloc.Group(str(layer), tuple(map(str, bpw)), tuple(int(b * n) for b in bpw), costs))
+    weights = sum(g.sizes[0] / 1.5625 for g in groups)
+    for target in (2.0, 2.5, 3.5, 5.0):
+        budget = int(target * weights)
+        found = alloc.allocate(groups, budget)
+        assert found.size <= budget
+        assert relaxation_bound(groups, budget) <= found.cost <= relaxation_bound(groups, budget) * 1.01
+        assert found.cost <= alloc.greedy_allocate(groups, budget).cost
