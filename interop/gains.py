@@ -16,8 +16,10 @@ gradients; only the activations do. Experts: the gradient reaching expert ``e``'
 its routing weight times the gradient of the experts module's output; the one reaching its gate/up projection is
 computed by running that expert's forward again under autograd. Expert biases are left out of that forward.
 
-The pass runs the whole model forward and backward on each batch where it was loaded: a model that must be
-offloaded to fit the device needs ``target_gain="one"`` (unweighted GPTQ losses).
+The pass runs the whole model forward and backward on each batch, where the model is
+(:mod:`interop.sensitivity` first brings a model held in host memory to the run's CUDA device when it takes at
+most half of the free memory there). A model too large for that runs the pass in host memory, slowly; use
+``target_gain="one"`` (unweighted GPTQ losses) there until the pass runs layer by layer.
 """
 
 from __future__ import annotations

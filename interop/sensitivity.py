@@ -27,6 +27,7 @@ resumed run takes it over instead of measuring again (same formats, same bytes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -214,6 +215,27 @@ def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
     _refuse_below(cfg.target_bpw, math.floor(cfg.target_bpw * weights), weights, least, cheapest, bool(fixed))
 
 
+@contextlib.contextmanager
+def _on_run_device(model, device):
+    """A model held whole in host memory goes to the run's CUDA device for the gain pass when it takes at most half
+    of the free memory there, and back afterwards (``module.to`` keeps the parameter objects); otherwise it stays
+    where it is."""
+    device = torch.device(device)
+    tensors = list(model.parameters()) + list(model.buffers())
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    move = (device.type == "cuda" and {t.device.type for t in tensors} == {"cpu"}
+            and need <= torch.cuda.mem_get_info(device)[0] // 2)
+    if not move:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
+        torch.cuda.empty_cache()
+
+
 def target_weights(model) -> int:
     """Weights of every decoder-layer target matrix of ``model`` (what ``target_bpw`` is counted over)."""
     prefix, layers = models.find_decoder_layers(model)
@@ -253,7 +275,12 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
         if stored.get("fingerprint") == key:
             allocation = stored["allocation"]
             return cfg.build(cfg, assignment=assignment_of(allocation)), allocation
-    gains = fisher_gains(model, run.batch_list) if cfg.target_gain == "fisher" else None
+    t0 = time.perf_counter()
+    gains = None
+    if cfg.target_gain == "fisher":
+        with _on_run_device(model, run.device):
+            gains = fisher_gains(model, run.batch_list)
+    gain_seconds = time.perf_counter() - t0
     failed, was_training = True, model.training
     model.eval()
     try:
@@ -265,7 +292,8 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
         model.train(was_training)
         layerwise._finish(run.placement, failed)
     allocation = allocation_of(cfg, free, fixed, weights, costs, gains)
-    allocation["seconds"] = {"sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}
+    allocation["seconds"] = {"gains": gain_seconds,
+                             "sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}
     if saved is not None:
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps({"fingerprint": key, "allocation": allocation}))
