@@ -180,3 +180,29 @@ def test_the_report_shows_the_allocation_as_a_table_and_bits_per_layer():
     assert np.isnan(series["mlp.experts.down_proj"][0]) and series["mlp.experts.down_proj"][1] == 4.5
     assert "target 5 bpw: 5.1000 bpw, 15872 of 16000 bytes; predicted objective 0.75 (gain one)" in report.summary()
     assert Report(config={}).allocation_table() == "" and "target" not in Report(config={}).summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_a_model_in_host_memory_gets_its_gains_on_the_device_and_its_budget(monkeypatch):
+    from interop.calib import Batch
+
+    wide = dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=256)
+    model = build("qwen3_moe", **wide)
+    on_host = gains.fisher_gains(copy.deepcopy(model), [Batch(CALIB, torch.ones_like(CALIB))])
+    seen = []
+    original = gains.fisher_gains
+
+    def watch(m, batch_list, **kw):
+        seen.append({p.device.type for p in m.parameters()})
+        return original(m, batch_list, **kw)
+
+    monkeypatch.setattr(gains, "fisher_gains", watch)   # choose() imports it from the module when it runs
+    result = jgptq.quantize_moe(model, CALIB, **OPTS, format="q4_k", device="cuda", target_bpw=3.0,
+                                target_formats=("iq2_xxs", "q2_k", "iq3_xxs", "q4_k", "q6_k"))
+    assert seen == [{"cuda"}] and {p.device.type for p in model.parameters()} == {"cpu"}
+    a = result.report.allocation
+    written = sum(rec.payload.nbytes for rec in result.weights.values())
+    assert written == a["total_bytes"] <= a["budget_bytes"] and len({g["format"] for g in a["groups"]}) > 1
+    for g in a["groups"]:   # the device's gains agree with those of host memory
+        assert g["gain"] == pytest.approx(float(np.mean([np.mean(on_host[p]) for p in g["params"]])), rel=1e-2)
