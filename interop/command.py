@@ -169,6 +169,9 @@ def target_options(args) -> dict:
             raise CommandError("--target-formats needs a budget: --target-bpw BITS or --target-size SIZE")
         return {}
     flag = "--target-bpw" if bpw is not None else "--target-size"
+    if args.export != "gguf":
+        raise CommandError(f"{flag} gives tensors different formats, and a {args.export} checkpoint holds one bit "
+                           f"width for all; use --export gguf (GGML formats per tensor)")
     if args.mix is not None:
         raise CommandError(f"{flag} chooses every tensor's format and cannot be combined with --mix {args.mix}; fix "
                            f"some tensors with --tensor-format REGEX=FORMAT instead")

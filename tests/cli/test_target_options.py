@@ -22,8 +22,8 @@ def test_target_options_become_config_fields():
     cfg = config_of("--export", "gguf", "--target-bpw", "2.5", "--target-formats", "IQ2_XXS, q4_k,q8_0")
     assert cfg.target_bpw == 2.5 and cfg.target_formats == ("iq2_xxs", "q4_k", "q8_0")
     assert cfg.quant.format == "q4_k" and cfg.target_gain == "fisher"     # a GGUF target is a GGML run
-    cfg = config_of("--export", "gptq", "--target-bpw", "3", "--target-gain", "one", "--group-size", "64")
-    assert cfg.quant.format == "int" and cfg.target_bpw == 3.0 and cfg.target_gain == "one"
+    cfg = config_of("--export", "gguf", "--target-size", "1GB", "--target-gain", "one", "--format", "q8_0")
+    assert cfg.quant.format == "q8_0" and cfg.target_bpw == 16.0 and cfg.target_gain == "one"   # placeholder
     assert config_of("--export", "gguf", "--format", "q8_0").target_bpw is None
 
 
@@ -48,14 +48,18 @@ def test_a_target_size_is_bits_per_weight_over_the_decoder_layers():
     (("--export", "gguf", "--target-size", "24GB", "--mix", "q4_k_m"),
      "jgptq: error: --target-size chooses every tensor's format and cannot be combined with --mix q4_k_m; fix some "
      "tensors with --tensor-format REGEX=FORMAT instead"),
-    (("--target-size", "lots"), "jgptq: error: --target-size lots: not a positive size such as 24GB or 500MiB"),
-    (("--target-size", "0GB"), "jgptq: error: --target-size 0GB: not a positive size such as 24GB or 500MiB"),
-    (("--target-bpw", "0"),
+    (("--export", "gguf", "--target-size", "lots"), "jgptq: error: --target-size lots: not a positive size such as 24GB or 500MiB"),
+    (("--export", "gguf", "--target-size", "0GB"), "jgptq: error: --target-size 0GB: not a positive size such as 24GB or 500MiB"),
+    (("--export", "gguf", "--target-bpw", "0"),
      "jgptq: error: PipelineConfig.target_bpw=0.0: must be None or a number of bits per weight in (0, 32]"),
     (("--export", "gguf", "--target-bpw", "3", "--target-formats", "q4_k,q9_k"),
      "jgptq: error: PipelineConfig.target_formats='q9_k': unknown GGML format 'q9_k'; known formats: "),
-    (("--export", "gptq", "--target-bpw", "3", "--target-formats", "q4_k"),
-     "jgptq: error: PipelineConfig.target_formats='q4_k': an integer-grid run's candidates are 'int2' .. 'int8'"),
+    (("--export", "gptq", "--target-bpw", "3"),
+     "jgptq: error: --target-bpw gives tensors different formats, and a gptq checkpoint holds one bit width for "
+     "all; use --export gguf (GGML formats per tensor)"),
+    (("--target-size", "2GB"),
+     "jgptq: error: --target-size gives tensors different formats, and a compressed-tensors checkpoint holds one "
+     "bit width for all; use --export gguf (GGML formats per tensor)"),
 ])
 def test_target_refusals_come_before_anything_is_loaded(unloadable, capsys, extra, message):  # noqa: F811
     got = refused(unloadable, capsys, *extra)
