@@ -64,25 +64,25 @@ def first_rule(config, name: str) -> Optional[Rule]:
     return next((r for r in rules(config) if re.search(r.pattern, name)), None)
 
 
-def format_of(config, name: str, layer: int, n_layers: int, n_expert: int) -> str:
+def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1) -> str:
     """The format a GGML run gives weight ``name`` of decoder layer ``layer`` before any block fallback: the first
     matching ``formats`` rule, else the ``mix`` preset's choice, else ``quant.format``."""
     rule = next((r for r in rules(config) if not r.skip and re.search(r.pattern, name)), None)
     if rule is not None:
         return rule.format
     if config.mix is not None:
-        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert)
+        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert, n_gqa)
     return config.quant.format
 
 
-def plan_matrix(config, target: Target, n_layers: int, n_expert: int) -> tuple:
+def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int = 1) -> tuple:
     """The method and format of one matrix: the single place this is decided.
 
     Args:
       config: the run's :class:`jgptq.config.PipelineConfig`.
       target: the matrix.
       n_layers, n_expert: decoder layers of the model and the largest expert count of a layer (the mixes'
-        layer patterns and llama.cpp's 8-expert rule).
+        layer patterns and llama.cpp's 8-expert rule); n_gqa: query heads per key-value head (the mixes' attn_v).
     Returns:
       (:class:`MatrixPlan` or None when a rule excludes it, a fallback note or None).
     Raises:
@@ -94,7 +94,8 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int) -> tuple:
         return None, None
     quant, note = config.quant, None
     if quant.is_ggml:
-        fmt, note = _fit_block(config, target, format_of(config, target.name, target.layer, n_layers, n_expert))
+        chosen = format_of(config, target.name, target.layer, n_layers, n_expert, n_gqa)
+        fmt, note = _fit_block(config, target, chosen)
         if fmt != quant.format:
             quant = quant.replace(format=fmt)
     elif quant.group_size != -1 and target.cols % quant.group_size:
@@ -123,14 +124,14 @@ def _fit_block(config, target: Target, fmt: str) -> tuple:
                       f"{block}; {fallback} used instead (block_fallback)")
 
 
-def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int) -> Plan:
+def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_gqa: int = 1) -> Plan:
     """The :class:`Plan` of every target of a model (:func:`plan_matrix` for each), with the rules of
     ``config`` that matched no target reported in ``unmatched``."""
     matrices, skipped, notes, used = {}, {}, [], set()
     all_rules = rules(config)
     for t in targets:
         used |= {r for r in all_rules if re.search(r.pattern, t.name)}
-        plan, note = plan_matrix(config, t, n_layers, n_expert)
+        plan, note = plan_matrix(config, t, n_layers, n_expert, n_gqa)
         if plan is None:
             skipped[t.param] = first_rule(config, t.name)
         else:
