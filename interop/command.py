@@ -43,7 +43,8 @@ def paths_for(out) -> dict:
     """The files a run writes beside its output folder ``out``."""
     out = Path(out)
     return {"out": out, "work": out.with_name(out.name + ".jgptq-work"),
-            "report": out.with_name(out.name + ".report.json"), "plot": out.with_name(out.name + ".loss.svg")}
+            "report": out.with_name(out.name + ".report.json"), "plot": out.with_name(out.name + ".loss.svg"),
+            "bits": out.with_name(out.name + ".bits.svg")}
 
 
 def check_output(out, overwrite: bool) -> None:
@@ -125,6 +126,9 @@ def build_config(args, dtype: str) -> PipelineConfig:
         scale_dtype = "float16"
     fmt = args.format
     mix = args.mix
+    target = target_options(args)
+    if target and args.export == "gguf" and fmt == "int":
+        fmt = "q4_k"   # a GGML run; the target gives every tensor its own format
     if mix is not None and fmt == "int":
         from jgptq.mixes import PRESETS
 
@@ -145,7 +149,47 @@ def build_config(args, dtype: str) -> PipelineConfig:
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
                                 offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
                                 mix=mix, formats=tuple(rules), importance=args.importance,
-                                block_fallback=args.block_fallback)
+                                block_fallback=args.block_fallback, **target)
+
+
+# --target-size is a size in bytes: it becomes bits per weight once the model's weights are counted (after the
+# model is loaded); until then the config holds this placeholder, so that every other check runs before loading.
+_SIZE_PLACEHOLDER_BPW = 16.0
+
+
+def target_options(args) -> dict:
+    """The ``target_*`` config fields of ``--target-bpw``/``--target-size``/``--target-formats``/``--target-gain``
+    (empty without a target). Raises CommandError for a combination no run can use."""
+    bpw, size = getattr(args, "target_bpw", None), getattr(args, "target_size", None)
+    formats = tuple(f.strip() for f in (getattr(args, "target_formats", None) or "").split(",") if f.strip())
+    if bpw is not None and size is not None:
+        raise CommandError("--target-bpw and --target-size both set the budget; give one of them")
+    if bpw is None and size is None:
+        if formats:
+            raise CommandError("--target-formats needs a budget: --target-bpw BITS or --target-size SIZE")
+        return {}
+    flag = "--target-bpw" if bpw is not None else "--target-size"
+    if args.export != "gguf":
+        raise CommandError(f"{flag} gives tensors different formats, and a {args.export} checkpoint holds one bit "
+                           f"width for all; use --export gguf (GGML formats per tensor)")
+    if args.mix is not None:
+        raise CommandError(f"{flag} chooses every tensor's format and cannot be combined with --mix {args.mix}; fix "
+                           f"some tensors with --tensor-format REGEX=FORMAT instead")
+    if size is not None:
+        try:
+            if config_size(size) < 1:
+                raise ValueError
+        except ValueError:
+            raise CommandError(f"--target-size {size}: not a positive size such as 24GB or 500MiB") from None
+    return {"target_bpw": bpw if bpw is not None else _SIZE_PLACEHOLDER_BPW, "target_formats": formats,
+            "target_gain": args.target_gain}
+
+
+def size_to_bpw(model, size: str) -> float:
+    """Bits per weight of ``--target-size`` over the decoder-layer targets of ``model``."""
+    from interop.sensitivity import target_weights
+
+    return parse_size(size) * 8 / target_weights(model)
 
 
 @contextlib.contextmanager
@@ -189,6 +233,16 @@ def layer_loss_chart(report, path, title: str) -> None:
     except ValueError:  # nothing finite (a round-to-nearest run): no chart
         return
     Path(path).write_text(svg)
+
+
+def bits_chart(report, path, title: str) -> None:
+    """Writes an SVG chart of a target_bpw run's bits per weight per layer, one line per tensor group."""
+    from jgptq.plot import line_chart
+
+    series, layers = report.bits_by_layer()
+    if series:
+        Path(path).write_text(line_chart(series, x=layers, title=title, xlabel="decoder layer",
+                                         ylabel="bits per weight"))
 
 
 def run(args) -> int:
@@ -240,6 +294,9 @@ def run_quantize(args) -> int:
         str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
         trust_remote_code=args.trust_remote_code, local_files_only=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "target_size", None) is not None:
+        cfg = PipelineConfig.build(cfg, target_bpw=size_to_bpw(model, args.target_size))
+        log(f"--target-size {args.target_size}: {cfg.target_bpw:.4f} bits per weight", args.quiet)
     if args.export == "gguf":  # refuse what the GGUF exporter cannot write before the run, not after it
         from interop.gguf_export import check_exportable
 
@@ -265,10 +322,13 @@ def run_quantize(args) -> int:
                      source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard)
     result.report.to_json(str(files["report"]))
     layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+    bits_chart(result.report, files["bits"], f"{model_dir.name}: bits per weight chosen for {cfg.target_bpw:g} bpw"
+               if cfg.target_bpw else "")
     shutil.rmtree(files["work"], ignore_errors=True)
     unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
     print(dataclasses.replace(result.report, warnings=unshown).summary())
     print(f"wrote {files['out']} ({args.export}), report {files['report']}"
           + (f", chart {files['plot']}" if files["plot"].exists() else "")
+          + (f", bits chart {files['bits']}" if files["bits"].exists() else "")
           + f" in {time.perf_counter() - t_start:.1f} s")
     return 0

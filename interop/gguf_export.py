@@ -282,7 +282,18 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     meta[gguf.Keys.General.FILE_TYPE] = int(file_type)
     meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
     meta.update(vocab)
+    meta.update(_allocation_metadata(result))
     return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
+
+
+def _allocation_metadata(result) -> dict:
+    """``jgptq.target_bpw`` and ``jgptq.allocation`` (the report's allocation as JSON text) of a target_bpw run."""
+    allocation = getattr(getattr(result, "report", None), "allocation", None)
+    if not allocation:
+        return {}
+    import json
+
+    return {"jgptq.target_bpw": float(allocation["target_bpw"]), "jgptq.allocation": json.dumps(allocation)}
 
 
 def _shape(model, param: str, tensor: torch.Tensor) -> tuple:

@@ -120,7 +120,14 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     if checkpoint_dir is not None and cfg.keep_hessians:
         raise ValueError("keep_hessians cannot be combined with checkpoint_dir: Hessians are not checkpointed")
     model = torch_model
+    allocation = None
+    if cfg.target_bpw is not None and not cfg.assignment:   # the formats under the budget: a first pass
+        from interop.sensitivity import choose
+
+        cfg, allocation = choose(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
+                                 checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
     run = _prepare(model, calib, cfg, tokenizer, device, devices, imatrix)
+    run.report.allocation = allocation or {}
     ckpt, start = None, 0
     if checkpoint_dir is not None:
         ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, run.batch_list, cfg,

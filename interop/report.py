@@ -65,6 +65,7 @@ class Report:
     skipped: list = dataclasses.field(default_factory=list)      # (name, reason) left in floating point
     warnings: list = dataclasses.field(default_factory=list)
     memory: dict = dataclasses.field(default_factory=dict)      # bytes by place (see interop.offload)
+    allocation: dict = dataclasses.field(default_factory=dict)  # a target_bpw run's choice (interop.sensitivity)
 
     def add_time(self, layer: int, stage: str, seconds: float):
         stages = self.timings.setdefault(int(layer), {})
@@ -93,6 +94,7 @@ class Report:
             "records": records, "coverage": self.coverage, "thresholds": self.thresholds,
             "timings": {str(k): v for k, v in self.timings.items()}, "stage_totals": self.stage_totals(),
             "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings), "memory": self.memory,
+            "allocation": self.allocation,
         }
 
     def to_json(self, path: Optional[str] = None, **kwargs) -> str:
@@ -144,6 +146,12 @@ class Report:
             formats[r.format] = formats.get(r.format, 0) + 1
         if set(formats) - {"int"}:
             out.append("formats (matrices): " + ", ".join(f"{f} {n}" for f, n in sorted(formats.items())))
+        if self.allocation:
+            a = self.allocation
+            out.append(f"target {a['target_bpw']:g} bpw: {a['achieved_bpw']:.4f} bpw, {a['total_bytes']} of "
+                       f"{a['budget_bytes']} bytes; predicted objective {a['predicted_objective']:.4g} "
+                       f"(gain {a['gain']})")
+            out.append(self.allocation_table())
         if self.coverage:
             out += ["expert coverage:", self.coverage_table()]
             low = {n: c for n, c in self.coverage.items() if min(c) < self.thresholds.get(n, 1)}
@@ -159,6 +167,30 @@ class Report:
         for w in self.warnings:
             out.append(f"warning: {w}")
         return "\n".join(out)
+
+    def allocation_table(self) -> str:
+        """A target_bpw run's choice, one line per tensor group: layer, name, format, bits per weight, bytes and the
+        cost of the chosen candidate (empty for other runs)."""
+        a = self.allocation
+        if not a:
+            return ""
+        lines = [f"{'layer':>5} {'tensor group':<28} {'format':<8} {'bpw':>6} {'bytes':>12} {'cost':>11}"]
+        for g in a["groups"]:
+            lines.append(f"{g['layer']:>5} {g['name']:<28} {g['format']:<8} {g['bpw']:>6.3f} {g['bytes']:>12} "
+                         f"{g['costs'][g['format']]:>11.4g}")
+        for f in a["fixed"]:
+            lines.append(f"{'':>5} {f['param']} fixed at {f['format']}, {f['bytes']} bytes")
+        return "\n".join(lines)
+
+    def bits_by_layer(self) -> dict:
+        """Tensor group name -> bits per weight chosen in each layer (NaN where the layer has no such group), and
+        the sorted layers: ``({name: [bpw, ...]}, layers)``; empty for runs without target_bpw."""
+        groups = self.allocation.get("groups", []) if self.allocation else []
+        layers = sorted({g["layer"] for g in groups})
+        out: dict = {}
+        for g in groups:
+            out.setdefault(g["name"], [float("nan")] * len(layers))[layers.index(g["layer"])] = g["bpw"]
+        return out, layers
 
     def memory_line(self) -> str:
         """One line on memory: offload mode, peak parameter bytes on the device (and the budget), the largest

@@ -34,6 +34,7 @@ EPILOG = """examples:
   jgptq quantize ./model --calib texts/ --out ./model-w3 --bits 3 --asym --calibration all_experts --device cuda
   jgptq quantize ./big-model --calib calib.txt --out ./big-w4 --offload disk --device-budget 40GB
   jgptq quantize ./model --calib calib.txt --out ./model-Q4_K_M.gguf --export gguf --mix q4_k_m
+  jgptq quantize ./model --calib calib.txt --out ./model-2.5bpw.gguf --export gguf --target-bpw 2.5
 """
 
 
@@ -111,6 +112,19 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--importance", choices=IMPORTANCES, default=importance,
                    help="importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
                         f"the Hessian diagonal, or none (default: {importance})")
+    g.add_argument("--target-bpw", type=float, metavar="BITS",
+                   help="bits per weight of the decoder layers' tensors: each tensor group (a layer's experts of one "
+                        "projection, or one linear module) gets the candidate format whose measured output error "
+                        "is lowest under that budget; --tensor-format and --exclude still fix what they match")
+    g.add_argument("--target-size", metavar="SIZE",
+                   help="the same budget as bytes of the decoder layers' quantized tensors, e.g. 24GB")
+    g.add_argument("--target-formats", metavar="LIST",
+                   help="comma-separated candidates of --target-bpw/--target-size (GGML formats, or int2..int8 "
+                        "for integer grids) (default: a family of the run's kind)")
+    gain = default(PipelineConfig, "target_gain")
+    g.add_argument("--target-gain", choices=("fisher", "one"), default=gain,
+                   help="weight of each tensor's error: its output gradient's Fisher information, or one "
+                        f"(default: {gain})")
     fallback = default(PipelineConfig, "block_fallback")
     g.add_argument("--block-fallback", default=fallback, metavar="FORMAT",
                    help="GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "

@@ -215,6 +215,14 @@ class PipelineConfig:
       block_fallback: a weight whose rows are not a whole number of its format's blocks: ``"error"`` (refused
         before any work), ``"llama.cpp"`` (llama.cpp's fallback table, e.g. q4_k -> q5_0) or a format name; a
         fallback is recorded in the report's warnings.
+      target_bpw: bits per weight of the decoder layers' target tensors (None: off): each group (a layer's
+        experts of one projection, or one linear module) gets the candidate format that minimises the measured,
+        gain-weighted output error under the budget (:mod:`jgptq.allocate`, :mod:`interop.sensitivity`);
+        ``formats`` and ``exclude`` still fix what they match (fixed costs). Not with ``mix``.
+      target_formats: the candidates (GGML names, or ``"int2"`` .. ``"int8"``); empty: the run's default family.
+      target_gain: ``"fisher"`` (output-gradient weight of each matrix) or ``"one"`` (unweighted GPTQ losses).
+      assignment: ``((model parameter name, format), ...)``: a format per weight, as the target's first pass
+        chose it (:func:`jgptq.plan.plan_matrix` applies it after the ``formats`` rules).
     """
 
     quant: QuantConfig = QuantConfig()
@@ -235,6 +243,10 @@ class PipelineConfig:
     formats: tuple = ()
     mix: "str | None" = None
     block_fallback: str = "error"
+    target_bpw: "float | None" = None
+    target_formats: tuple = ()
+    target_gain: str = "fisher"
+    assignment: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.quant, QuantConfig):
@@ -242,6 +254,10 @@ class PipelineConfig:
         if not isinstance(self.moe, MoEConfig):
             _fail_in("PipelineConfig", "moe", self.moe, "must be a MoEConfig")
         self._check_ggml()
+        from jgptq.allocate import check_target
+
+        check_target(self)
+        object.__setattr__(self, "assignment", tuple((str(p), str(f).lower()) for p, f in self.assignment))
         if self.method not in METHODS:
             _fail_in("PipelineConfig", "method", self.method, f"must be one of {METHODS}")
         if self.hessian_dtype not in HESSIAN_DTYPES:

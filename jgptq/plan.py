@@ -3,9 +3,10 @@
 A run's per-weight policy is one ordered list of rules (:func:`rules`): the ``exclude`` patterns (leave a weight in
 floating point), then the ``formats`` rules (a GGML format per weight), matched with ``re.search`` against the
 weight's name relative to its decoder layer (``self_attn.v_proj``, ``mlp.experts.down_proj``); the first match
-wins. A weight no rule matches gets the ``mix`` preset's choice (:mod:`jgptq.mixes`), else ``quant.format``. Then
-its width is checked against its grid or format, with the ``block_fallback`` for GGML rows that are not a whole
-number of blocks.
+wins. A weight no rule matches gets its entry of the ``assignment`` (the formats a ``target_bpw`` run chose,
+:mod:`jgptq.allocate`), else the ``mix`` preset's choice (:mod:`jgptq.mixes`), else ``quant.format``. Then its
+width is checked against its grid or format, with the ``block_fallback`` for GGML rows that are not a whole number
+of blocks.
 
 :func:`plan_matrix` is the one function that decides a matrix's method and format; :func:`resolve` applies it to
 every target of a model and reports the rules that matched nothing. Adding a format or a method changes this
@@ -64,12 +65,17 @@ def first_rule(config, name: str) -> Optional[Rule]:
     return next((r for r in rules(config) if re.search(r.pattern, name)), None)
 
 
-def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1) -> str:
-    """The format a GGML run gives weight ``name`` of decoder layer ``layer`` before any block fallback: the first
-    matching ``formats`` rule, else the ``mix`` preset's choice, else ``quant.format``."""
+def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param: str = "", n_gqa: int = 1) -> str:
+    """The format a GGML run gives weight ``name`` (model parameter ``param``) of decoder layer ``layer`` before
+    any block fallback: the first matching ``formats`` rule, else its ``assignment`` entry, else the ``mix``
+    preset's choice (``n_gqa``: query heads per key-value head), else ``quant.format``."""
     rule = next((r for r in rules(config) if not r.skip and re.search(r.pattern, name)), None)
     if rule is not None:
         return rule.format
+    if config.assignment:
+        assigned = dict(config.assignment).get(param)
+        if assigned is not None:
+            return assigned
     if config.mix is not None:
         return mixes.preset_format(config.mix, name, layer, n_layers, n_expert, n_gqa)
     return config.quant.format
@@ -94,11 +100,17 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int
         return None, None
     quant, note = config.quant, None
     if quant.is_ggml:
-        chosen = format_of(config, target.name, target.layer, n_layers, n_expert, n_gqa)
-        fmt, note = _fit_block(config, target, chosen)
+        fmt = format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa)
+        fmt, note = _fit_block(config, target, fmt)
         if fmt != quant.format:
             quant = quant.replace(format=fmt)
-    elif quant.group_size != -1 and target.cols % quant.group_size:
+        return MatrixPlan(config.method, quant), note
+    from jgptq.allocate import int_bits_of
+
+    bits = int_bits_of(dict(config.assignment).get(target.param, ""))
+    if bits is not None and bits != quant.bits:
+        quant = quant.replace(bits=bits)
+    if quant.group_size != -1 and target.cols % quant.group_size:
         raise ValueError(f"{target.param.removesuffix('.weight')}: {target.cols} input columns are not a multiple "
                          f"of group_size "
                          f"{quant.group_size} (exclude it with exclude=[...] or choose another group_size)")
