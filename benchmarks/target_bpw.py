@@ -46,7 +46,7 @@ from benchmarks.gguf_quality import DEFAULT_CACHE, _evaluate, _paired
 DOC = __doc__.splitlines()[0]
 MIXES = ("q2_k_s", "iq2_m", "q3_k_m", "q4_k_m")
 TARGET_FORMATS = ("iq2_xxs", "iq2_s", "iq3_xxs", "q3_k", "iq4_xs", "q5_k", "q6_k", "q8_0")
-PROXY_FORMATS = ("iq2_xxs", "iq3_xxs", "q4_k", "q6_k")
+PROXY_FORMATS = ("iq2_xxs", "iq3_xxs", "iq4_xs", "q6_k")  # within TARGET_FORMATS: the library's costs apply
 
 
 def _args(argv):
@@ -172,14 +172,25 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
                                  "this jgptq has no target_bpw (PipelineConfig field)"}
         return entry
     formats = tuple(_split(args.target_formats))
-    model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0], target_bpw=bpw,
-                                       target_formats=formats)
+    first = ctx.get("allocation")
+    if first is None:  # the first budget measures every candidate (the sensitivity pass) and allocates
+        model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0], target_bpw=bpw,
+                                           target_formats=formats)
+        alloc, source = result.report.allocation, "target_bpw run (sensitivity pass and allocation)"
+        ctx["allocation"] = alloc
+    else:  # later budgets: the library's reallocation of the same measurement, then the normal pipeline
+        from interop.sensitivity import assignment_of, reallocate
+
+        alloc = reallocate(first, bpw)
+        model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0],
+                                           assignment=tuple(assignment_of(alloc)))
+        source = "interop.sensitivity.reallocate of the first budget's measurement, run with its assignment"
     path_t = os.path.join(work, f"{ctx['name']}-jgptq-target-{mix}.gguf")
     export_gguf(model, result, path_t, overwrite=True, float_type="f32")
-    alloc = getattr(result.report, "allocation", None)
     del model, result
     t = side.measure("target", path_t, seconds)
     t["target_bpw"] = bpw
+    t["allocation_source"] = source
     t["allocation"] = alloc
     entry["jgptq_target"] = t
     entry["same_tensors"] = t["tensor_names"] == entry["llama_cpp"]["tensor_names"]
@@ -244,7 +255,8 @@ def _run_model(name, args, splits, digest, work, out):
 
         try:
             res["proxy_calibration"] = calibrate(ctx, model, imat, side, export_gguf, _split(args.proxy_formats),
-                                                 args.proxy_allocations, _quantize)
+                                                 args.proxy_allocations, _quantize,
+                                                 allocation=ctx.get("allocation"))
         except Exception as exc:
             res["proxy_calibration"] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
             print(f"[{name}] proxy calibration: {res['proxy_calibration']['error']}", flush=True)

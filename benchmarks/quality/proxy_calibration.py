@@ -13,6 +13,9 @@ allocations:
 - ``gptq_loss_x_gain``: the same with each parameter's loss weighted by a measured gain: the KL of the file with
   that parameter alone at the lowest format (all others at the highest) above the all-highest file's KL, divided
   by the parameter's loss increase between the two formats (how much of its output error reaches the logits);
+- ``library_fisher_cost``: what ``target_bpw`` minimises: the sum of its measured per-group costs (GPTQ objective
+  on float inputs, times token share, times the Fisher gain; the report's ``allocation``) at the chosen formats;
+  ``library_unweighted_cost``: the same costs divided by each group's gain (``target_gain="one"``);
 - ``single_kl_additive``: the all-highest KL plus, per parameter at the lowest format, its one-at-a-time KL
   increase, interpolated for middle formats by the parameter's GPTQ loss (additive, measured at the ends).
 """
@@ -24,7 +27,7 @@ import os
 import numpy as np
 
 
-def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quantize, seed=0):
+def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quantize, allocation=None, seed=0):
     """Runs the calibration on one model; returns the JSON section (allocations, proxies, correlations)."""
     import types
 
@@ -75,12 +78,24 @@ def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quant
             span = losses[low].get(p, np.nan) - losses[high].get(p, np.nan)
             frac = (losses[f].get(p, np.nan) - losses[high].get(p, np.nan)) / span if span > 0 else 0.0
             additive += single[p] * frac
-        return {"bits": -bits, "gptq_loss": loss, "gptq_loss_x_gain": weighted, "single_kl_additive": additive}
+        out = {"bits": -bits, "gptq_loss": loss, "gptq_loss_x_gain": weighted, "single_kl_additive": additive}
+        if groups:
+            out["library_fisher_cost"] = sum(g["costs"][alloc[g["params"][0]]] for g in groups)
+            out["library_unweighted_cost"] = sum(g["costs"][alloc[g["params"][0]]] / (g["gain"] or 1.0)
+                                                 for g in groups)
+        return out
 
+    groups = [g for g in (allocation or {}).get("groups", [])
+              if all(f in g["costs"] for f in formats) and all(p in params for p in g["params"])]
+    if allocation and len(groups) != len(allocation.get("groups", [])):
+        groups = []  # the library's costs cover other formats or parameters: its proxy is left out
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n_alloc):
         alloc = {p: formats[int(rng.integers(len(formats)))] for p in params}
+        for g in groups:  # a layer's group takes one format
+            for p in g["params"][1:]:
+                alloc[p] = alloc[g["params"][0]]
         stats = measure(alloc, f"random-{i}")
         rows.append({"allocation": alloc, "kl_mean": stats["kl_mean"], "kl_mean_stderr": stats["kl_mean_stderr"],
                      "bits_per_weight": stats["bits_per_weight"], "predicted": predicted(alloc)})
@@ -92,7 +107,7 @@ def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quant
     return {"formats": list(formats), "uniform": uniform, "params": params, "params_missing_loss": missing,
             "losses": {f: {p: losses[f].get(p) for p in params} for f in formats},
             "single_param_kl_increase": single, "gain": gain, "low": low, "high": high, "allocations": rows,
-            "spearman_vs_measured_kl": corr, "best_proxy": best,
+            "spearman_vs_measured_kl": corr, "best_proxy": best, "library_costs_used": bool(groups),
             "note": "files assembled from uniform runs' tensors (see benchmarks/quality/proxy_calibration.py)"}
 
 
