@@ -173,7 +173,14 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
         return entry
     formats = tuple(_split(args.target_formats))
     first = ctx.get("allocation")
-    if first is None:  # the first budget measures every candidate (the sensitivity pass) and allocates
+    path_t = os.path.join(work, f"{ctx['name']}-jgptq-target-{mix}.gguf")
+    kept = path_t + ".allocation.json"
+    if _reused(path_t, args.reuse) and os.path.exists(kept):
+        with open(kept) as f:
+            alloc, source = json.load(f), "an earlier run's file (--reuse)"
+        ctx.setdefault("allocation", alloc)
+        seconds, model = None, None
+    elif first is None:  # the first budget measures every candidate (the sensitivity pass) and allocates
         model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0], target_bpw=bpw,
                                            target_formats=formats)
         alloc, source = result.report.allocation, "target_bpw run (sensitivity pass and allocation)"
@@ -185,9 +192,11 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
         model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0],
                                            assignment=tuple(assignment_of(alloc)))
         source = "interop.sensitivity.reallocate of the first budget's measurement, run with its assignment"
-    path_t = os.path.join(work, f"{ctx['name']}-jgptq-target-{mix}.gguf")
-    export_gguf(model, result, path_t, overwrite=True, float_type="f32")
-    del model, result
+    if model is not None:
+        export_gguf(model, result, path_t, overwrite=True, float_type="f32")
+        with open(kept, "w") as f:
+            json.dump(alloc, f)
+        del model, result
     t = side.measure("target", path_t, seconds)
     t["target_bpw"] = bpw
     t["allocation_source"] = source
