@@ -21,13 +21,20 @@ q5_k_s      q5_k    (none)
 q3_k_m      q3_k    attn_v: q5_k in the first 2 layers, else q4_k; ffn_down: q5_k where i < n/16, else q4_k;
                     attn_output and attn_qkv: q4_k
 q6_k        q6_k    (none)
+q2_k_s      q2_k    attn_v: q4_k where n_gqa >= 4; ffn_down: q4_k where i < n/8
+iq2_m       iq2_s   attn_v: q4_k where n_gqa >= 4 or n_expert >= 4, else iq3_s; ffn_down: iq3_s where i < n/8;
+                    attn_output: iq3_s (q5_k with 8 experts); attn_k: q4_k with 8 experts
 ==========  ======  ==========================================================================================
 
 and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and,
-in q4_k_m, q4_k_s and q3_k_m, attn_output q5_k. Categories: attn_v = ``v_proj`` or ``kv_b_proj``, attn_k =
+in q4_k_m, q4_k_s and q3_k_m, attn_output q5_k (q2_k_s takes the q8_0 attn_v and attn_k; iq2_m follows its own
+rules above, where llama.cpp checks the IQ2/IQ1 mixes before the 8-expert rule). ``n_gqa`` is query heads per
+key-value head. Categories: attn_v = ``v_proj`` or ``kv_b_proj``, attn_k =
 ``k_proj``, attn_output = ``o_proj``/``out_proj``, attn_qkv = ``qkv_proj``/``query_key_value``/``Wqkv``,
 ffn_down = ``down_proj``/``w2`` (in any MLP or experts module). llama.cpp's counter of attn_v tensors equals the
-layer index for models with one attn_v per layer, which is what is used here.
+layer index for models with one attn_v per layer, which is what is used here; likewise its ffn_down counter of the
+IQ2 mixes is the layer index when a layer has one ffn_down tensor (llama.cpp counts a layer's shared-expert
+ffn_down as one more).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import re
 
 PRESETS = {"q4_k_m": "q4_k", "q5_k_m": "q5_k", "q4_k_s": "q4_k", "q5_k_s": "q5_k", "q3_k_m": "q3_k",
-           "q6_k": "q6_k"}
+           "q6_k": "q6_k", "q2_k_s": "q2_k", "iq2_m": "iq2_s"}
 # llama.cpp refuses to quantize these types without an importance matrix (``tensor_requires_imatrix``).
 NEEDS_IMPORTANCE = ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_m", "iq1_s")
 # llama.cpp's ``tensor_type_fallback``: a format for rows that are not a whole number of the wanted block.
@@ -65,15 +72,33 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int) -> str:
-    """The format llama.cpp's mix ``preset`` gives the weight ``name`` of decoder layer ``layer``."""
+def _iq2_m_format(cat: str, layer: int, n_layers: int, n_expert: int, n_gqa: int) -> str:
+    """llama.cpp's IQ2_M rules (its branch for the IQ2/IQ1 mixes, taken before the 8-expert rule)."""
+    if cat in ("attn_v", "attn_qkv"):
+        return "q4_k" if n_gqa >= 4 or n_expert >= 4 else "iq3_s"
+    if cat == "attn_k" and n_expert == 8:
+        return "q4_k"
+    if cat == "ffn_down" and layer < n_layers // 8:
+        return "iq3_s"
+    if cat == "attn_output":
+        return "q5_k" if n_expert == 8 else "iq3_s"
+    return "iq2_s"
+
+
+def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1) -> str:
+    """The format llama.cpp's mix ``preset`` gives the weight ``name`` of decoder layer ``layer`` of a model with
+    ``n_expert`` experts per layer and ``n_gqa`` query heads per key-value head."""
     if preset not in PRESETS:
         raise ValueError(f"unknown mix preset {preset!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[preset]
     cat = category(name)
     more = use_more_bits(layer, n_layers)
+    if preset == "iq2_m":
+        return _iq2_m_format(cat, layer, n_layers, n_expert, n_gqa)
     if cat == "attn_v":
         out = base
+        if preset == "q2_k_s" and n_gqa >= 4:
+            out = "q4_k"
         if preset in ("q4_k_m", "q5_k_m") and more:
             out = "q6_k"
         elif preset == "q4_k_s" and layer < 4:
@@ -90,6 +115,8 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
             return "q5_k"
         if preset == "q3_k_m":
             return "q5_k" if layer < n_layers // 16 else "q4_k"
+        if preset == "q2_k_s" and layer < n_layers // 8:
+            return "q4_k"
         return base
     if cat == "attn_output":
         if n_expert == 8 and preset in ("q4_k_m", "q4_k_s", "q3_k_m"):
@@ -105,6 +132,8 @@ def possible_formats(config) -> set:
     out = {config.quant.format} | {f for _, f in config.formats}
     if config.mix is not None:
         out |= {PRESETS[config.mix], "q5_k", "q6_k", "q8_0", "q4_k"}
+        if config.mix == "iq2_m":
+            out |= {"iq3_s"}
     if config.block_fallback not in ("error", "llama.cpp"):
         out.add(config.block_fallback)
     return out

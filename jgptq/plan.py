@@ -65,10 +65,10 @@ def first_rule(config, name: str) -> Optional[Rule]:
     return next((r for r in rules(config) if re.search(r.pattern, name)), None)
 
 
-def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param: str = "") -> str:
+def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param: str = "", n_gqa: int = 1) -> str:
     """The format a GGML run gives weight ``name`` (model parameter ``param``) of decoder layer ``layer`` before
     any block fallback: the first matching ``formats`` rule, else its ``assignment`` entry, else the ``mix``
-    preset's choice, else ``quant.format``."""
+    preset's choice (``n_gqa``: query heads per key-value head), else ``quant.format``."""
     rule = next((r for r in rules(config) if not r.skip and re.search(r.pattern, name)), None)
     if rule is not None:
         return rule.format
@@ -77,18 +77,18 @@ def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param
         if assigned is not None:
             return assigned
     if config.mix is not None:
-        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert)
+        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert, n_gqa)
     return config.quant.format
 
 
-def plan_matrix(config, target: Target, n_layers: int, n_expert: int) -> tuple:
+def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int = 1) -> tuple:
     """The method and format of one matrix: the single place this is decided.
 
     Args:
       config: the run's :class:`jgptq.config.PipelineConfig`.
       target: the matrix.
       n_layers, n_expert: decoder layers of the model and the largest expert count of a layer (the mixes'
-        layer patterns and llama.cpp's 8-expert rule).
+        layer patterns and llama.cpp's 8-expert rule); n_gqa: query heads per key-value head (the mixes' attn_v).
     Returns:
       (:class:`MatrixPlan` or None when a rule excludes it, a fallback note or None).
     Raises:
@@ -100,7 +100,7 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int) -> tuple:
         return None, None
     quant, note = config.quant, None
     if quant.is_ggml:
-        fmt = format_of(config, target.name, target.layer, n_layers, n_expert, target.param)
+        fmt = format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa)
         fmt, note = _fit_block(config, target, fmt)
         if fmt != quant.format:
             quant = quant.replace(format=fmt)
@@ -136,14 +136,14 @@ def _fit_block(config, target: Target, fmt: str) -> tuple:
                       f"{block}; {fallback} used instead (block_fallback)")
 
 
-def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int) -> Plan:
+def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_gqa: int = 1) -> Plan:
     """The :class:`Plan` of every target of a model (:func:`plan_matrix` for each), with the rules of
     ``config`` that matched no target reported in ``unmatched``."""
     matrices, skipped, notes, used = {}, {}, [], set()
     all_rules = rules(config)
     for t in targets:
         used |= {r for r in all_rules if re.search(r.pattern, t.name)}
-        plan, note = plan_matrix(config, t, n_layers, n_expert)
+        plan, note = plan_matrix(config, t, n_layers, n_expert, n_gqa)
         if plan is None:
             skipped[t.param] = first_rule(config, t.name)
         else:

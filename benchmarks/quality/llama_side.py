@@ -26,6 +26,10 @@ FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4
           "q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S", "q3_k": "LLAMA_FTYPE_MOSTLY_Q3_K_S", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
           "iq2_xs": "LLAMA_FTYPE_MOSTLY_IQ2_XS", "iq3_s": "LLAMA_FTYPE_MOSTLY_IQ3_XS",
           "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "iq1_m": "LLAMA_FTYPE_MOSTLY_IQ1_M"}
+# llama.cpp's own mixes (``pure`` off: its per-tensor rules, ``llama_tensor_get_type``, pick each tensor's type).
+MIX_FTYPES = {"q2_k_s": "LLAMA_FTYPE_MOSTLY_Q2_K_S", "iq2_m": "LLAMA_FTYPE_MOSTLY_IQ2_M",
+              "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+              "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
 
 
 def read_imatrix(path: str) -> dict:
@@ -58,11 +62,12 @@ def read_imatrix(path: str) -> dict:
 
 
 def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: str = "F32", threads: int = 2) -> float:
-    """``llama_model_quantize(src -> dst)`` at ``fmt`` for every weight tensor; returns the seconds it took.
+    """``llama_model_quantize(src -> dst)`` at ``fmt`` for every weight tensor, or with llama.cpp's own per-tensor
+    rules when ``fmt`` names one of its mixes; returns the seconds it took.
 
     Args:
       src: a float GGUF (F32 or F16 tensors).
-      fmt: a jgptq/GGML format name (see :data:`FTYPES`).
+      fmt: a jgptq/GGML format name (see :data:`FTYPES`) or a llama.cpp mix (see :data:`MIX_FTYPES`).
       imatrix: {tensor name: float32 importance (already divided by counts, experts concatenated)} or None.
       keep_type: GGML type name the token embedding and output head are stored in (``"F32"`` keeps the float
         model's; the output head is never quantized).
@@ -70,12 +75,14 @@ def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: s
     import gguf
     import llama_cpp
 
-    if fmt not in FTYPES:
-        raise ValueError(f"format {fmt!r}: no llama.cpp ftype known (known: {sorted(FTYPES)})")
+    ftype = FTYPES.get(fmt) or MIX_FTYPES.get(fmt)
+    if ftype is None:
+        raise ValueError(f"format {fmt!r}: no llama.cpp ftype known (known: {sorted(FTYPES)} and the mixes "
+                         f"{sorted(MIX_FTYPES)})")
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = int(threads)
-    params.ftype = getattr(llama_cpp, FTYPES[fmt])
-    params.pure = True
+    params.ftype = getattr(llama_cpp, ftype)
+    params.pure = fmt in FTYPES
     params.quantize_output_tensor = False
     keep = int(gguf.GGMLQuantizationType[keep_type.upper()])
     params.output_tensor_type = keep

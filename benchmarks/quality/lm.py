@@ -6,7 +6,12 @@ heads of 128 (o rows: 4 blocks), 8 experts of width 512 (down rows: 2 blocks), t
 (32 M parameters). With rows of a single block GPTQ has nothing to compensate with and gives exactly the plain
 encoding. The vocabulary is the 256 byte values. Training is plain next-byte cross entropy plus the model's own
 router load-balancing loss, AdamW with a linear warm-up and cosine decay, on random windows of the training split
-drawn from a seeded generator. The trained model is saved with
+drawn from a seeded generator.
+
+``DEEP_ARCH`` / ``DEEP_TRAIN`` (``MODELS["deep"]``) is a second, MoE-deeper model that trains in minutes on a CPU: 4
+decoder layers of hidden 512 (4 query and 2 key-value heads of 128), 8 experts of width 512 with top-2 routing (every
+row 2 super-blocks long), and no load-balancing loss, so that the router uses its experts unevenly (see
+:func:`expert_usage`). The trained model is saved with
 ``save_pretrained`` (safetensors) in ``<cache_dir>/lm-<key>``, the key hashing every hyperparameter and the corpus
 digest, so a rerun with the same settings loads it instead of training.
 """
@@ -28,6 +33,10 @@ ARCH = dict(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=2, num_attenti
             norm_topk_prob=True, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
             tie_word_embeddings=False, router_aux_loss_coef=0.01)
 TRAIN = dict(steps=200, batch=8, length=256, lr=2e-3, warmup=40, weight_decay=0.1, clip=1.0, seed=0)
+DEEP_ARCH = dict(ARCH, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 moe_intermediate_size=512, router_aux_loss_coef=0.0)
+DEEP_TRAIN = dict(TRAIN, steps=160, length=128, lr=3e-3, warmup=20)
+MODELS = {"quality": (ARCH, TRAIN), "deep": (DEEP_ARCH, DEEP_TRAIN)}
 
 
 def cache_key(arch: dict, train: dict, corpus_digest: str) -> str:
@@ -104,15 +113,39 @@ def train(model, tokens: np.ndarray, cfg: dict, log=print) -> dict:
             "train_s": time.perf_counter() - t0}
 
 
+def expert_usage(model, windows: np.ndarray, batch: int = 16) -> dict:
+    """How often the router picks each expert on int64 windows (n, L).
+
+    Returns: ``counts`` (layers, experts) int token-slot counts of the top-k choices; per layer the share of the
+    most and least used expert, ``max_over_mean`` and the normalised entropy of the usage (1.0: even).
+    """
+    import torch
+
+    k = model.config.num_experts_per_tok
+    counts = None
+    with torch.no_grad():
+        for i in range(0, len(windows), batch):
+            out = model(input_ids=torch.from_numpy(windows[i:i + batch]), output_router_logits=True)
+            picks = [torch.topk(r.float(), k, dim=-1).indices.reshape(-1) for r in out.router_logits]
+            c = np.stack([np.bincount(p.numpy(), minlength=model.config.num_experts) for p in picks])
+            counts = c if counts is None else counts + c
+    share = counts / counts.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.nansum(np.where(share > 0, share * np.log(share), 0.0), axis=1) / math.log(share.shape[1])
+    return {"counts": counts.tolist(), "max_share": share.max(axis=1).tolist(),
+            "min_share": share.min(axis=1).tolist(), "max_over_mean": (share.max(axis=1) * share.shape[1]).tolist(),
+            "normalised_entropy": entropy.tolist()}
+
+
 def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | None = None, arch: dict = ARCH,
-                  log=print):
+                  train_cfg: dict = TRAIN, log=print):
     """The trained model for these settings, from ``cache_dir`` when present, else trained and cached.
 
     Returns (model in eval mode, float32; info dict with the cache folder, training figures and held-out loss).
     """
     from transformers import Qwen3MoeForCausalLM
 
-    cfg = dict(TRAIN, **({} if steps is None else {"steps": int(steps)}))
+    cfg = dict(train_cfg, **({} if steps is None else {"steps": int(steps)}))
     if cfg["steps"] < 1:
         raise ValueError(f"train steps: {cfg['steps']} must be at least 1")
     folder = os.path.join(cache_dir, f"lm-{cache_key(arch, cfg, corpus_digest)}")
