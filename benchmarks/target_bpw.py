@@ -218,8 +218,10 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
 def _run_model(name, args, splits, digest, work, out):
     import torch
 
-    from benchmarks.quality import corpus, kl, llama_side, lm
+    from benchmarks.quality import corpus, lm
     from benchmarks.quality.imatrix_io import llama_imatrix
+    from interop import llama_logits
+    from jgptq import evaluation
     from interop.gguf_export import export_gguf
 
     arch, train_cfg = lm.MODELS[name]
@@ -237,11 +239,11 @@ def _run_model(name, args, splits, digest, work, out):
           f"min share {[round(v, 3) for v in usage['min_share']]}", flush=True)
     f32 = os.path.join(work, f"{name}-float-f32.gguf")
     export_gguf(model, None, f32, overwrite=True, float_type="f32")
-    ref = llama_side.logits(f32, held, threads=args.threads)
+    ref = llama_logits.logits(f32, held, threads=args.threads)
     with torch.no_grad():
         check = model(input_ids=torch.from_numpy(held[:2])).logits.float().numpy()
-    float_stats = kl.summarize(kl.window_stats(ref, ref, held))
-    res["evaluation"] = {"n_ctx": args.n_ctx, "windows": int(len(held)), "first_scored": kl.first_scored(args.n_ctx),
+    float_stats = evaluation.summarize(evaluation.window_stats(ref, ref, held))
+    res["evaluation"] = {"n_ctx": args.n_ctx, "windows": int(len(held)), "first_scored": evaluation.first_scored(args.n_ctx),
                          "float_llama_vs_torch_max_abs_logit_diff": float(np.abs(check - ref[:2]).max()),
                          "llama_float_ppl": float_stats["ppl"]}
     batch = min(32, args.calib_seqs)
@@ -317,8 +319,9 @@ def main(argv=None):
     import torch
 
     from benchmarks.quality import corpus, llama_side, lm
+    from interop import llama_logits
 
-    if not llama_side.available():
+    if not llama_logits.available():
         raise SystemExit("target_bpw needs llama-cpp-python (the llama_cpp package)")
     names = _split(args.models)
     unknown = [n for n in names if n not in lm.MODELS] + [m for m in _split(args.mixes) if m not in
