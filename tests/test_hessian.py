@@ -93,10 +93,11 @@ def test_bfloat16_inputs_accumulate_in_float32(rng):
 @pytest.mark.parametrize("half", [ml_dtypes.bfloat16, np.float16])
 def test_half_precision_inputs_under_float32_setting_give_the_exact_products(rng, half):
     # half-precision activations skip the float32 cast: their products are exact in float32, so the statistic is
-    # the float64 one of the same numbers up to float32 summation, as tight as the float32 path itself
+    # the float64 one of the same numbers up to float32 summation (~2e-6 seen on the H200, whose GEMMs sum in another
+    # order); a product rounded to half precision would be ~1e-3 off
     x = correlated_activations(rng, 1024, 64).astype(half)
     ref, _ = reference([x.astype(np.float64)])
-    assert_close(hs.finalize(hs.from_activations(jnp.asarray(x))), ref, rtol=1e-6)
+    assert_close(hs.finalize(hs.from_activations(jnp.asarray(x))), ref, rtol=4e-6)
     mask = np.ones((2, 512), bool)
     mask[1, 300:] = False
     st = hs.accumulate_slots(hs.init_stacked(3, 64), np.array([2, 0]), jnp.asarray(x.reshape(2, 512, 64)),
@@ -104,7 +105,7 @@ def test_half_precision_inputs_under_float32_setting_give_the_exact_products(rng
     for e, rows in ((2, x[:512]), (0, x[512:812])):
         ref_e, n = reference([rows.astype(np.float64)])
         assert int(st.token_count[e]) == n
-        assert_close(hs.finalize(st)[e], ref_e, rtol=1e-6)
+        assert_close(hs.finalize(st)[e], ref_e, rtol=4e-6)
     assert not np.any(np.asarray(st.hessian_sum[1]))
 
 
