@@ -6,7 +6,8 @@ pipeline moves the decoder layers to host memory first and brings one at a time 
 keeps each layer in a file (``--offload-dir``) and host memory holds one layer; ``--offload none`` keeps every
 layer on the GPU; ``--device-budget 40GB`` checks each layer's estimated need first. Calibration: 128 sequences x 2048
 random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetric, float16 scales), every expert
-of a layer in one vmapped solve per shape.
+of a layer in one vmapped solve per shape; ``--format q4_k`` (any GGML format) runs GGML group updates instead, and
+with ``--export`` writes a GGUF file.
 
 Reported: total wall time and per-stage seconds summed over layers (capture, calibrate = forward + Hessian
 accumulation, solve, write-back, store = waiting for the checkpoint records made beside the next layer, replay =
@@ -97,7 +98,11 @@ def main(argv=None):
     p = common.parser("moe_model", DOC)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 48; --small: 2)")
     p.add_argument("--anchor-experts", type=int, default=0, help="experts per layer the textbook loop runs on")
-    p.add_argument("--export", action="store_true", help="also export a compressed-tensors checkpoint")
+    p.add_argument("--export", action="store_true", help="also export a checkpoint (--export-kind)")
+    p.add_argument("--export-kind", choices=("compressed-tensors", "gptq", "gguf"), default=None,
+                   help="checkpoint kind of --export (default: gguf for a GGML --format, else compressed-tensors)")
+    p.add_argument("--format", default="int", metavar="FORMAT",
+                   help="int (int4 group 128, the default) or a GGML format such as q4_k (GGML group updates)")
     p.add_argument("--offload", choices=("none", "cpu", "disk"), default="cpu",
                    help="where layers wait: none (on the GPU), cpu (host memory), disk (files) (default: cpu)")
     p.add_argument("--no-offload", dest="offload", action="store_const", const="none", help="--offload none")
@@ -141,12 +146,16 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(1)
     calib = torch.randint(0, s["vocab"], (s["sequences"], s["length"]), generator=g)
-    quant = QuantConfig(bits=4, group_size=s["group"], block_size=s["group"], sym=True)
+    quant = (QuantConfig(bits=4, group_size=s["group"], block_size=s["group"], sym=True) if args.format == "int"
+             else QuantConfig(format=args.format, block_size=s["group"]))
+    out["format"] = quant.format
+    kind = args.export_kind or ("gguf" if quant.is_ggml else "compressed-tensors")
 
     t0 = time.perf_counter()
     result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"],
                                 hessian_dtype="bfloat16", keep_hessians=bool(args.anchor_experts), progress=True,
-                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget)
+                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
+                                **({"block_fallback": "llama.cpp"} if quant.is_ggml else {}))
     sync()
     total = time.perf_counter() - t0
     report = result.report
@@ -206,10 +215,11 @@ def main(argv=None):
         target = tempfile.mkdtemp(prefix="jgptq_export_")
         try:
             t0 = time.perf_counter()
-            export_model(model, result, "compressed-tensors", os.path.join(target, "out"))
+            export_model(model, result, kind, os.path.join(target, "out.gguf" if kind == "gguf" else "out"))
+            out["export_kind"] = kind
             out["export_s"] = time.perf_counter() - t0
-            out["export_bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in
-                                      os.walk(os.path.join(target, "out")) for f in fs)
+            out["export_bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(target)
+                                      for f in fs)
         except Exception as exc:  # recorded: the pipeline's figures above stand on their own
             out["export_error"] = f"{type(exc).__name__}: {exc}"[:500]
         finally:
