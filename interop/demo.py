@@ -118,7 +118,7 @@ def run_demo(args) -> int:
 
 def _run_demo(args, out: Path) -> int:
     from interop import calib as calib_mod
-    from interop.command import check_output, log, paths_for
+    from interop.command_inputs import check_output, log, paths_for
     from interop.export import check_format, export_model
     from interop.layerwise import quantize_moe
     from jgptq.config import PipelineConfig

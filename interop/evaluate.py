@@ -103,7 +103,7 @@ def load_model(folder, *, device=None, dtype: str = "auto", trust_remote_code: b
     import torch
     from transformers import AutoModelForCausalLM
 
-    from interop.command import check_model_dir, model_dtype
+    from interop.command_inputs import check_model_dir, model_dtype
 
     folder = check_model_dir(folder)
     dtype = model_dtype(folder, dtype)
@@ -298,7 +298,7 @@ def evaluate(quantized, reference, text=None, *, tokens=None, n_ctx: int = DEFAU
 def run_eval(args) -> int:
     """The ``jgptq eval`` command (``args``: the parsed options of :mod:`jgptq.cli`): prints the table, and writes
     the JSON of ``--json``."""
-    from interop.command import CommandError, log
+    from interop.command_inputs import CommandError, log
 
     if args.n_ctx < 4:
         raise CommandError(f"--n-ctx {args.n_ctx}: windows need at least 4 tokens (default: {DEFAULT_N_CTX})")

@@ -38,6 +38,7 @@ parameter's dtype; ``result.weights`` keeps the exact codes for exporters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -45,47 +46,18 @@ import warnings
 import jax
 import torch
 
-from interop import calib as calib_mod
-from interop import capture, float_stream, importance, models, weight_checks
+from interop import capture, float_stream, importance, models, run_setup
 from interop import offload as offload_mod
 from interop import resume as resume_mod
 from interop.dlpack import to_torch
 from interop.inputs import capture_inputs, run_layer
-from interop.report import ModuleRecord, QuantizeResult, Report
+from interop.report import ModuleRecord, QuantizeResult
 from interop.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from interop.progress import LayerProgress, stage_bar
-from interop.stores import Stores
-from jgptq import plan as plan_mod
+from interop.run_setup import Run
 from jgptq.bucket import PLAIN_KEPT
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
-
-
-@dataclasses.dataclass
-class _Run:
-    """What every layer step of one run shares."""
-
-    cfg: PipelineConfig
-    prefix: str
-    layers: object
-    targets: list
-    plan: plan_mod.Plan
-    names: dict
-    batch_list: list
-    result: QuantizeResult
-    placement: object
-    device: object
-    devices: object = None
-    given: dict = None
-    float_hidden: list = None    # the float model's stream (imatrix_source="float"): layer i's inputs when all
-                                 # earlier layers are float, one tensor per batch; None without that stream
-    stores: Stores = dataclasses.field(default_factory=Stores)
-    warmed: set = dataclasses.field(default_factory=set)
-    said: set = dataclasses.field(default_factory=set)   # warnings already shown
-
-    @property
-    def report(self) -> Report:
-        return self.result.report
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
@@ -130,7 +102,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
 
         cfg, allocation = choose(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
                                  checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
-    run = _prepare(model, calib, cfg, tokenizer, device, devices, imatrix)
+    run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix)
     run.report.allocation = allocation or {}
     ckpt, start = None, 0
     if checkpoint_dir is not None:
@@ -145,7 +117,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     model.eval()
     failed = True
     try:
-        with torch.no_grad(), (capture.experts_implementation(model) if has_experts else _null()):
+        with torch.no_grad(), (capture.experts_implementation(model) if has_experts else contextlib.nullcontext()):
             _run_layers(run, ckpt, start)
         failed = False
     except BaseException as exc:
@@ -156,7 +128,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     finally:
         run.stores.close()
         model.train(was_training)
-        _finish(run.placement, failed)
+        run_setup.finish(run.placement, failed)
     run.report.memory = run.placement.memory
     for w in run.report.warnings:
         if w not in run.said:
@@ -164,57 +136,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     return run.result
 
 
-def _prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> _Run:
-    """Every check and decision that comes before any work: targets, the plan, names, calibration, budget."""
-    prefix, layers = models.find_decoder_layers(model)
-    targets, plan = plan_layers(prefix, layers, cfg)
-    if not plan.matrices:
-        raise ValueError(f"{type(model).__name__}: nothing to quantize (no linear or experts weights in "
-                         f"{prefix} after exclusions {list(cfg.exclude)})")
-    if imatrix is not None:
-        importance.check_imatrix(imatrix, prefix, targets)
-    specs = {m.param_name(f"{prefix}.{i}"): (m.experts, m.rows, m.transposed)
-             for i, t in enumerate(targets) for m in t.matrices()}
-    names = models.checkpoint_names(model, specs)
-    batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
-    run_device = offload_mod.run_device(device, layers[0])
-    placement = offload_mod.Placement(model, layers, cfg, run_device)
-    # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set
-    activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix) else 2)
-    placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")
-                     for layer, t in zip(layers, targets)])      # before any work: over budget is an error
-    weight_checks.check_finite_weights(targets, prefix)         # NaN/Inf named by weight and expert, up front
-    report = Report(config=cfg.to_dict(), model=type(model).__name__,
-                    calibration_tokens=calib_mod.token_count(batch_list))
-    report.skipped = [(f"{prefix}.{i}.{n}", why) for i, t in enumerate(targets) for n, why in t.skipped]
-    report.warnings.extend(plan.notes + plan.unmatched)
-    result = QuantizeResult(model, {}, report, config=cfg,
-                            param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
-    run = _Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix)
-    for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix),
-                 models.slow_linear_attention(model, run_device)):
-        if note:  # said once, before the first forward; kept in the report
-            warnings.warn(note, stacklevel=3)
-            report.warnings.append(note)
-            run.said.add(note)
-    return run
-
-
-def plan_layers(prefix: str, layers, cfg) -> tuple:
-    """The targets of every decoder layer and the run's :class:`jgptq.plan.Plan` (:func:`jgptq.plan.resolve`):
-    returns (targets less the matrices the plan excludes, plan)."""
-    found = [models.layer_targets(layer) for layer in layers]
-    n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
-    attn = getattr(layers[0], "self_attn", None) if len(layers) else None
-    n_gqa = int(getattr(attn, "num_key_value_groups", 1) or 1)  # query heads per key-value head
-    plan = plan_mod.resolve(cfg, [plan_mod.Target(m.name, i, m.cols, m.param_name(f"{prefix}.{i}"))
-                                  for i, t in enumerate(found) for m in t.matrices()], len(layers), n_expert, n_gqa)
-    targets = [t.without({m.name for m in t.matrices() if m.param_name(f"{prefix}.{i}") in plan.skipped})
-               for i, t in enumerate(found)]
-    return targets, plan
-
-
-def _run_layers(run: _Run, ckpt, start: int) -> None:
+def _run_layers(run: Run, ckpt, start: int) -> None:
     """Captures the layers' inputs, then runs :func:`_layer_step` on every layer from ``start``, with the moves
     and the resumable state around it."""
     n, report, placement = len(run.layers), run.report, run.placement
@@ -244,7 +166,7 @@ def _run_layers(run: _Run, ckpt, start: int) -> None:
     run.stores.collect(run.result.weights, report)
 
 
-def _timed_move(run: _Run, i: int, move):
+def _timed_move(run: Run, i: int, move):
     t0 = time.perf_counter()
     out = move(i)
     if run.placement.moves:
@@ -252,7 +174,7 @@ def _timed_move(run: _Run, i: int, move):
     return out
 
 
-def _layer_step(run: _Run, i: int, layer, hidden: list, layer_inputs: list, stage=lambda name: None) -> list:
+def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage=lambda name: None) -> list:
     """One decoder layer: calibrate -> solve -> write back -> replay, each named to ``stage`` as it starts.
     Returns the next layer's inputs."""
     target = run.targets[i]
@@ -278,7 +200,7 @@ def _layer_step(run: _Run, i: int, layer, hidden: list, layer_inputs: list, stag
     return _replay(run, i, layer, hidden, layer_inputs)
 
 
-def _warm_up(run: _Run, target):
+def _warm_up(run: Run, target):
     """A layer of new shapes: its solve programs compile beside its calibration (a thread, or None)."""
     shapes = solve_shapes(target)
     if shapes <= run.warmed:
@@ -287,7 +209,7 @@ def _warm_up(run: _Run, target):
     return warm_solves(target, run.cfg, devices=run.devices)
 
 
-def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list, outputs: list = None):
+def _calibrate(run: Run, i: int, layer, hidden: list, layer_inputs: list, outputs: list = None):
     """Runs the float layer on every batch with the capture attached; returns the filled Collector (the layer's
     outputs are appended to ``outputs`` when it is a list)."""
     target, cfg = run.targets[i], run.cfg
@@ -308,7 +230,7 @@ def _calibrate(run: _Run, i: int, layer, hidden: list, layer_inputs: list, outpu
     return collector
 
 
-def _solve(run: _Run, i: int, collector, warm, imatrix_from=None) -> list:
+def _solve(run: Run, i: int, collector, warm, imatrix_from=None) -> list:
     """The layer's importance statistic (from ``imatrix_from``, default ``collector``), expert coverage and one
     quantize call per bucket."""
     t0 = time.perf_counter()
@@ -336,7 +258,7 @@ def _solve(run: _Run, i: int, collector, warm, imatrix_from=None) -> list:
     return solved
 
 
-def _write_back(run: _Run, i: int, solved: list) -> None:
+def _write_back(run: Run, i: int, solved: list) -> None:
     """Copies the dequantized weights into the torch parameters in place; the records are made beside the next
     layer."""
     t0 = time.perf_counter()
@@ -349,7 +271,7 @@ def _write_back(run: _Run, i: int, solved: list) -> None:
     run.report.add_time(i, "write", time.perf_counter() - t0)
 
 
-def _replay(run: _Run, i: int, layer, hidden: list, layer_inputs: list) -> list:
+def _replay(run: Run, i: int, layer, hidden: list, layer_inputs: list) -> list:
     """The quantized layer's outputs on every batch: the next layer's inputs."""
     t0 = time.perf_counter()
     out = []
@@ -381,23 +303,3 @@ def _record(report, layer_idx: int, m, stack, res, threshold: int) -> None:
         what = "module" if m.layout is None else f"experts {low} of"
         report.warnings.append(f"{what} {stack.name}: fewer than {threshold} calibration tokens "
                                f"({[int(stack.tokens[e]) for e in low]}); {plain} used")
-
-
-def _finish(placement, failed: bool) -> None:
-    """Ends the placement; after a failure, an error of its own is only warned about (the run's error stands)."""
-    if not failed:
-        placement.finish(False)
-        return
-    try:
-        placement.finish(True)
-    except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
-        warnings.warn(f"after the run's error, the offloaded layers could not be loaded back ({exc}); "
-                      f"{placement.memory.get('offload_dir', '')} holds them", stacklevel=3)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

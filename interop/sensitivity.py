@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from interop import capture, importance, models
+from interop import capture, importance, models, run_setup
 from interop.inputs import capture_inputs, run_layer
 from interop.solve import layer_stacks, solve_layer
 from jgptq import allocate as alloc
@@ -115,7 +115,7 @@ def _costs(run, collector, free: dict, gains: dict, solved: list) -> dict:
 
 def measure(run, free: dict, gains) -> dict:
     """param -> {format: float64 (count,) costs}: every free matrix solved under each of its candidates, layer
-    by layer on float inputs (module docstring). ``run``: a :class:`interop.layerwise._Run` of a probe config."""
+    by layer on float inputs (module docstring). ``run``: a :class:`interop.run_setup.Run` of a probe config."""
     cfg, placement, report = run.cfg, run.placement, run.report
     placement.prepare()
     hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
@@ -255,7 +255,6 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
-    from interop import layerwise
     from interop import resume as resume_mod
     from interop.gains import fisher_gains
 
@@ -265,7 +264,7 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
-    run = layerwise._prepare(model, calib, probe, tokenizer, device, devices, imatrix)
+    run = run_setup.prepare(model, calib, probe, tokenizer, device, devices, imatrix)
     key = None
     if saved is not None:
         key = resume_mod.fingerprint(model, run.batch_list, cfg, len(layers), imatrix=imatrix)
@@ -285,12 +284,12 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     model.eval()
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if any(
-                t.experts for t in run.targets) else layerwise._null()):
+                t.experts for t in run.targets) else contextlib.nullcontext()):
             costs = measure(run, free, gains)
         failed = False
     finally:
         model.train(was_training)
-        layerwise._finish(run.placement, failed)
+        run_setup.finish(run.placement, failed)
     allocation = allocation_of(cfg, free, fixed, weights, costs, gains)
     allocation["seconds"] = {"gains": gain_seconds,
                              "sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import jgptq
-from interop import importance, layerwise, resume
+from interop import importance, layerwise, resume, run_setup
 from jgptq import bucket, mixes, plan
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight
@@ -214,7 +214,7 @@ def _preset_formats(family, preset, layers):
 
 def _formats(prefix, layers, cfg):
     """The planned format of every weight by parameter name, and the plan's fallback notes."""
-    _, plan = layerwise.plan_layers(prefix, layers, cfg)
+    _, plan = run_setup.plan_layers(prefix, layers, cfg)
     return {p: m.format for p, m in plan.matrices.items()}, plan.notes
 
 

@@ -78,7 +78,7 @@ def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     pytest.importorskip("llama_cpp")
     gguf = pytest.importorskip("gguf")
     from benchmarks.quality import llama_side
-    from interop import layerwise
+    from interop import layerwise, run_setup
     from interop.gguf_arch import gguf_names
     from interop.gguf_export import export_gguf
     from jgptq import PipelineConfig
@@ -95,7 +95,7 @@ def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     llama_side.quantize(src, dst, preset, imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)
     prefix, layers = layerwise.models.find_decoder_layers(model)
-    _, plan = layerwise.plan_layers(prefix, layers, PipelineConfig.build(None, mix=preset))
+    _, plan = run_setup.plan_layers(prefix, layers, PipelineConfig.build(None, mix=preset))
     names = gguf_names(model)
     compared = 0
     for param, matrix in plan.matrices.items():
