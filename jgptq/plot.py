@@ -1,5 +1,8 @@
 """A small SVG line chart (no plotting library needed): per-layer figures of a quantization run.
 
+:class:`Frame` draws what every chart of the project shares (page, title, plot box, axis labels, legend rows);
+:func:`line_chart` and the benchmarks' charts fill it.
+
 Example::
 
     svg = line_chart({"RTN": [0.1, 0.2], "GPTQ": [0.05, 0.08]}, title="output error", xlabel="layer",
@@ -9,12 +12,57 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 
 COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 WIDTH, HEIGHT = 640, 400
 LEFT, RIGHT, TOP, BOTTOM = 78, 150, 40, 52
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """A chart's page: its size and margins; the plot box is what the margins leave (``pw`` x ``ph``)."""
+
+    width: int = WIDTH
+    height: int = HEIGHT
+    left: int = LEFT
+    right: int = RIGHT
+    top: int = TOP
+    bottom: int = BOTTOM
+
+    @property
+    def pw(self) -> int:
+        return self.width - self.left - self.right
+
+    @property
+    def ph(self) -> int:
+        return self.height - self.top - self.bottom
+
+    def head(self, title: str) -> list:
+        """The SVG's opening lines: the page, a white ground, the title."""
+        return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
+                f'viewBox="0 0 {self.width} {self.height}" font-family="sans-serif" font-size="12">',
+                f'<rect width="{self.width}" height="{self.height}" fill="white"/>',
+                f'<text x="{self.left + self.pw / 2}" y="22" text-anchor="middle" font-size="15">'
+                f'{html.escape(title)}</text>']
+
+    def axes(self, xlabel: str, ylabel: str) -> list:
+        """The plot box and the two axis labels."""
+        return [f'<rect x="{self.left}" y="{self.top}" width="{self.pw}" height="{self.ph}" fill="none" '
+                f'stroke="#444"/>',
+                f'<text x="{self.left + self.pw / 2}" y="{self.height - 12}" text-anchor="middle">'
+                f'{html.escape(xlabel)}</text>',
+                f'<text transform="translate(18 {self.top + self.ph / 2}) rotate(-90)" text-anchor="middle">'
+                f'{html.escape(ylabel)}</text>']
+
+    def legend(self, k: int, name: str, color: str) -> list:
+        """Row ``k`` of the legend right of the plot box: a line of the series' colour and its name."""
+        ly = self.top + 14 + 20 * k
+        x = self.left + self.pw
+        return [f'<line x1="{x + 14}" y1="{ly - 4}" x2="{x + 38}" y2="{ly - 4}" stroke="{color}" stroke-width="2"/>',
+                f'<text x="{x + 44}" y="{ly}">{html.escape(name)}</text>']
 
 
 def _ticks(lo: float, hi: float, log: bool) -> list:
@@ -72,7 +120,8 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     pad = 0.04 * (x1 - x0)
     x0, x1 = x0 - pad, x1 + pad
-    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    frame = Frame()
+    pw, ph = frame.pw, frame.ph
 
     def px(v):
         return LEFT + (v - x0) / (x1 - x0) * pw
@@ -80,10 +129,7 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
     def py(v):
         return TOP + ph - (v - lo) / (hi - lo) * ph
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-           f'<text x="{LEFT + pw / 2}" y="22" text-anchor="middle" font-size="15">{html.escape(title)}</text>']
+    out = frame.head(title)
     for t in _ticks(lo, hi, log_y):
         if lo - 1e-9 <= t <= hi + 1e-9:
             y = py(t)
@@ -92,10 +138,7 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
     step = max(1, math.ceil(len(xs) / 12))
     for v in xs[::step]:
         out.append(f'<text x="{px(v):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{v}</text>')
-    out.append(f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-    out.append(f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 12}" text-anchor="middle">{html.escape(xlabel)}</text>')
-    out.append(f'<text transform="translate(18 {TOP + ph / 2}) rotate(-90)" text-anchor="middle">'
-               f'{html.escape(ylabel)}</text>')
+    out += frame.axes(xlabel, ylabel)
     for k, (name, vals) in enumerate(series.items()):
         color = COLORS[k % len(COLORS)]
         points = [(px(xv), py(ty(v))) for xv, v in zip(xs, vals) if ok(v)]
@@ -103,9 +146,6 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
             path = " ".join(f"{a:.1f},{b:.1f}" for a, b in points)
             out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
         out += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{color}"/>' for a, b in points]
-        ly = TOP + 14 + 20 * k
-        out.append(f'<line x1="{LEFT + pw + 14}" y1="{ly - 4}" x2="{LEFT + pw + 38}" y2="{ly - 4}" '
-                   f'stroke="{color}" stroke-width="2"/>')
-        out.append(f'<text x="{LEFT + pw + 44}" y="{ly}">{html.escape(name)}</text>')
+        out += frame.legend(k, name, color)
     out.append("</svg>")
     return "\n".join(out) + "\n"

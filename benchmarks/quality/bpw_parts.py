@@ -18,6 +18,8 @@ import types
 
 import numpy as np
 
+from jgptq.plot import COLORS, Frame
+
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -100,8 +102,7 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 700, 420, 78, 200, 40, 52
+FRAME = Frame(width=700, height=420, right=200)   # a wider legend than the per-layer charts
 
 
 def kl_size_chart(series: dict, *, title: str, xlabel: str, ylabel: str = "mean KL to the float model") -> str:
@@ -115,38 +116,32 @@ def kl_size_chart(series: dict, *, title: str, xlabel: str, ylabel: str = "mean 
     x0, x1 = x0 - pad, x1 + pad
     lo, hi = math.floor(min(ys)), math.ceil(max(ys)) if math.ceil(max(ys)) > math.floor(min(ys)) else \
         math.floor(min(ys)) + 1
-    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    left, top, pw, ph = FRAME.left, FRAME.top, FRAME.pw, FRAME.ph
 
     def px(v):
-        return LEFT + (v - x0) / (x1 - x0) * pw
+        return left + (v - x0) / (x1 - x0) * pw
 
     def py(v):
-        return TOP + ph - (v - lo) / (hi - lo) * ph
+        return top + ph - (v - lo) / (hi - lo) * ph
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-           f'<text x="{LEFT + pw / 2}" y="22" text-anchor="middle" font-size="15">{html.escape(title)}</text>']
+    out = FRAME.head(title)
     for k in range(lo, hi + 1):
         for m in (1, 2, 5):
             v = k + math.log10(m)
             if v > hi + 1e-9:
                 break
             y = py(v)
-            out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + pw}" y2="{y:.1f}" stroke="'
+            out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="'
                        f'{"#ccc" if m == 1 else "#eee"}"/>')
-            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{m}e{k}</text>')
+            out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{m}e{k}</text>')
     raw = (x1 - x0) / 6
     step = next(s * 10 ** math.floor(math.log10(raw)) for s in (1, 2, 5, 10)
                 if s * 10 ** math.floor(math.log10(raw)) >= raw)
     t = math.ceil(x0 / step) * step
     while t <= x1:
-        out.append(f'<text x="{px(t):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{t:.3g}</text>')
+        out.append(f'<text x="{px(t):.1f}" y="{top + ph + 18}" text-anchor="middle">{t:.3g}</text>')
         t += step
-    out.append(f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
-    out.append(f'<text x="{LEFT + pw / 2}" y="{HEIGHT - 12}" text-anchor="middle">{html.escape(xlabel)}</text>')
-    out.append(f'<text transform="translate(18 {TOP + ph / 2}) rotate(-90)" text-anchor="middle">'
-               f'{html.escape(ylabel)}</text>')
+    out += FRAME.axes(xlabel, ylabel)
     for k, (name, points) in enumerate(series.items()):
         color = COLORS[k % len(COLORS)]
         good = sorted((x, y, lab) for x, y, lab in points if y and y > 0 and math.isfinite(y))
@@ -157,9 +152,6 @@ def kl_size_chart(series: dict, *, title: str, xlabel: str, ylabel: str = "mean 
         for a, b, lab in xy:
             out.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{color}"><title>{html.escape(lab)}'
                        f'</title></circle>')
-        ly = TOP + 14 + 20 * k
-        out.append(f'<line x1="{LEFT + pw + 14}" y1="{ly - 4}" x2="{LEFT + pw + 38}" y2="{ly - 4}" '
-                   f'stroke="{color}" stroke-width="2"/>')
-        out.append(f'<text x="{LEFT + pw + 44}" y="{ly}">{html.escape(name)}</text>')
+        out += FRAME.legend(k, name, color)
     out.append("</svg>")
     return "\n".join(out) + "\n"
