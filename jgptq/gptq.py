@@ -152,9 +152,9 @@ def _solve_highest(weight, hessian, importance, config, codec):
     h, w, dead = damping.fix_dead_columns(hessian.astype(jnp.float32), w, config.zero_dead_columns)
 
     perm = act_order.column_order(jnp.diagonal(h), config)
-    inv = damping.hessian_factor(h[perm][:, perm], config.damp)
+    factor = damping.hessian_factor(h[perm][:, perm], config.damp)
     pad = plan.padded - cols
-    upper = inv.upper
+    upper = factor.upper
     if pad:
         upper = jnp.pad(upper, ((0, pad), (0, pad))) + jnp.diag(
             jnp.concatenate([jnp.zeros(cols, jnp.float32), jnp.ones(pad, jnp.float32)]))
@@ -236,8 +236,8 @@ def _solve_highest(weight, hessian, importance, config, codec):
         pull, qt, loss, extra = carry
         b0 = b * block
         ub = u_blocks[b]
-        wb = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)
-        wb = wb + ub.T @ jax.lax.dynamic_slice_in_dim(pull, b0, block, axis=0)
+        w0 = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)   # the block's original columns
+        wb = w0 + ub.T @ jax.lax.dynamic_slice_in_dim(pull, b0, block, axis=0)
         def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
             zeros = jnp.zeros_like(wb)
             _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
@@ -246,8 +246,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
         qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
         # What this block's rounding asks of every later column (T is upper triangular: earlier columns get 0).
-        diff = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0) - qb
-        pull = pull + jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ diff
+        pull = pull + jax.lax.dynamic_slice_in_dim(upper, b0, block, axis=0).T @ (w0 - qb)
         qt = jax.lax.dynamic_update_slice_in_dim(qt, qb, b0, axis=0)
         return pull, qt, loss, extra
 
@@ -269,7 +268,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
         g_idx = gid[:cols][inv_perm]
     return GPTQResult(
         weight=weight_q, loss=loss / 2, perm=perm, g_idx=g_idx, codes=codes, scales=scales, zeros=zeros,
-        payload=payload, damp_used=inv.damp_used, damp_stage=inv.stage, fallback=inv.fallback,
+        payload=payload, damp_used=factor.damp_used, damp_stage=factor.stage, fallback=factor.fallback,
         dead_columns=jnp.sum(dead, dtype=jnp.int32))
 
 
