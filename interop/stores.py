@@ -19,15 +19,15 @@ def layer_records(names: dict, solved: list) -> dict:
     solved matrices ``[(Matrix, parameter name, Solved)]`` (arrays brought to host memory here)."""
     weights: dict = {}
     for m, param, res in solved:
-        res = res.host()
+        whole = res.host().record(transposed=m.transposed)   # checked once; the keys take parts of it
         for key, expert, rows in names[param]:
             if m.layout is None or expert is not None:
-                weights[key] = res.record(0 if expert is None else expert, models.row_index(rows),
-                                          transposed=m.transposed)
+                e = 0 if expert is None else expert
+                weights[key] = whole.take(e, models.row_index(rows), method=res.method[e])
                 continue
             if not np.array_equal(rows.numpy(), np.arange(m.count * m.rows)):
                 raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
-            weights[key] = res.record(transposed=m.transposed)
+            weights[key] = whole
     return weights
 
 

@@ -129,17 +129,17 @@ class Solved:
           A :class:`jgptq.export.QuantizedWeight` (integer grids) or :class:`jgptq.export.GGMLWeight`; its
           method is the matrix's, or ``"mixed"`` for a stack holding both.
         """
-        at = (slice(None),) if index is None else (index,)
-        sel = at if rows is None else at + (rows,)
-        method = (self.method[index] if index is not None else
-                  self.method[0] if len(set(self.method)) == 1 else "mixed")
+        method = self.method[0] if len(set(self.method)) == 1 else "mixed"
         if self.plan.quant.is_ggml:
-            return GGMLWeight(np.asarray(self.payload)[sel], self.plan.format, method=method, transposed=transposed)
-        q = self.plan.quant
-        codes, scales, zeros = (np.asarray(a)[sel] for a in (self.codes, self.scales, self.zeros))
-        return QuantizedWeight(codes, scales, zeros, np.asarray(self.g_idx)[at], bits=q.bits, group_size=q.group_size,
-                               sym=q.sym, act_order=q.act_order, scale_dtype=q.scale_dtype, method=method,
-                               transposed=transposed)
+            whole = GGMLWeight(np.asarray(self.payload), self.plan.format, method=method, transposed=transposed)
+        else:
+            q = self.plan.quant
+            whole = QuantizedWeight(*(np.asarray(a) for a in (self.codes, self.scales, self.zeros, self.g_idx)),
+                                    bits=q.bits, group_size=q.group_size, sym=q.sym, act_order=q.act_order,
+                                    scale_dtype=q.scale_dtype, method=method, transposed=transposed)
+        if index is None and rows is None:
+            return whole
+        return whole.take(index, rows, method=None if index is None else self.method[index])
 
     def figures(self) -> dict:
         """Plain-Python per-matrix figures (lists of n): method, reason and the solver's figures."""

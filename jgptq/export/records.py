@@ -59,7 +59,8 @@ class QuantizedWeight:
       transposed: the checkpoint stores this tensor with its last two axes swapped, (..., in, out) (the fused
         experts of some families); the arrays here are always in (..., out, in) orientation.
 
-    Arrays are converted to the dtypes above (values are checked, never wrapped) and made read-only.
+    Arrays are converted to the dtypes above (values are checked, never wrapped; an array already of its dtype is
+    not copied) and exposed read-only. :meth:`take` (and indexing, :meth:`rows`) gives parts without copies.
     """
 
     codes: np.ndarray
@@ -98,7 +99,7 @@ class QuantizedWeight:
         scales = np.asarray(self.scales)
         if scales.dtype.kind != "f":
             _fail("scales", f"must be floating point, got {scales.dtype}")
-        scales = scales.astype(np.float32)
+        scales = scales.astype(np.float32, copy=False)
         if codes.ndim < 2:
             _fail("codes", f"must be (..., out, in), got shape {codes.shape}")
         lead, (rows, cols) = codes.shape[:-2], codes.shape[-2:]
@@ -118,8 +119,7 @@ class QuantizedWeight:
         if self.scale_dtype != "float32" and not _representable(scales, self.scale_dtype):
             _fail("scales", f"values are not exactly representable in scale_dtype {self.scale_dtype!r}")
         for name, arr in (("codes", codes), ("scales", scales), ("zeros", zeros), ("g_idx", g_idx)):
-            arr.flags.writeable = False  # each is a fresh array (astype copies)
-            object.__setattr__(self, name, arr)
+            object.__setattr__(self, name, _readonly(arr))
 
     @classmethod
     def from_result(cls, result, config) -> "QuantizedWeight":
@@ -172,22 +172,31 @@ class QuantizedWeight:
         return scale * (self.codes.astype(np.float32) - zero)
 
     # --- slicing ----------------------------------------------------------------------------------------------
+    def take(self, index=None, rows=None, *, method: str = None) -> "QuantizedWeight":
+        """Entry ``index`` of the leading (expert) axis (None: every entry) and output ``rows`` (a slice or an
+        integer array; None: every row), with ``method`` in place of this record's when given. The parts share
+        this record's memory where numpy indexing allows (slices) and are not checked again."""
+        codes, scales, zeros, g_idx = self.codes, self.scales, self.zeros, self.g_idx
+        if index is not None:
+            if codes.ndim == 2:
+                raise IndexError("QuantizedWeight: a single matrix has no leading axis to index (use .rows for rows)")
+            codes, scales, zeros, g_idx = codes[index], scales[index], zeros[index], g_idx[index]
+        if rows is not None:
+            sl = (Ellipsis, rows, slice(None))
+            codes, scales, zeros = codes[sl], scales[sl], zeros[sl]
+        return _derived(self, codes=codes, scales=scales, zeros=zeros, g_idx=g_idx,
+                        method=self.method if method is None else method)
+
     def __getitem__(self, index) -> "QuantizedWeight":
         """One entry of the leading (expert) axes, e.g. ``stack[e]``; rows and columns stay whole."""
-        if self.codes.ndim == 2:
-            raise IndexError("QuantizedWeight: a single matrix has no leading axis to index (use .rows for rows)")
-        return self._with(self.codes[index], self.scales[index], self.zeros[index], self.g_idx[index])
+        return self.take(index)
 
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """Output rows ``start:stop`` (e.g. the gate or the up half of a fused gate_up projection)."""
         rows = self.shape[-2]
         if not 0 <= start < stop <= rows:
             raise ValueError(f"QuantizedWeight.rows: [{start}, {stop}) is not a row range of {rows} rows")
-        sl = (Ellipsis, slice(start, stop), slice(None))
-        return self._with(self.codes[sl], self.scales[sl], self.zeros[sl], self.g_idx)
-
-    def _with(self, codes, scales, zeros, g_idx) -> "QuantizedWeight":
-        return dataclasses.replace(self, codes=codes, scales=scales, zeros=zeros, g_idx=g_idx)
+        return self.take(rows=slice(start, stop))
 
     def __repr__(self) -> str:
         return (f"QuantizedWeight(shape={self.shape}, bits={self.bits}, group_size={self.group_size}, "
@@ -230,9 +239,7 @@ class GGMLWeight:
         if payload.ndim < 3 or payload.shape[-1] != fmt.type_size:
             raise ValueError(f"GGMLWeight payload: expected (..., rows, blocks, {fmt.type_size}) for {fmt.name}, "
                              f"got shape {payload.shape}")
-        payload = payload.copy()
-        payload.flags.writeable = False
-        object.__setattr__(self, "payload", payload)
+        object.__setattr__(self, "payload", _readonly(payload))
 
     @property
     def block_size(self) -> int:
@@ -255,18 +262,29 @@ class GGMLWeight:
 
         return np.asarray(decode(self.row_bytes(), self.format))
 
+    def take(self, index=None, rows=None, *, method: str = None) -> "GGMLWeight":
+        """Entry ``index`` of the leading (expert) axis (None: every entry) and output ``rows`` (a slice or an
+        integer array; None: every row), with ``method`` in place of this record's when given; as
+        :meth:`QuantizedWeight.take`."""
+        payload = self.payload
+        if index is not None:
+            if payload.ndim == 3:
+                raise IndexError("GGMLWeight: a single matrix has no leading axis to index (use .rows for rows)")
+            payload = payload[index]
+        if rows is not None:
+            payload = payload[..., rows, :, :]
+        return _derived(self, payload=payload, method=self.method if method is None else method)
+
     def __getitem__(self, index) -> "GGMLWeight":
         """One entry of the leading (expert) axes, e.g. ``stack[e]``."""
-        if self.payload.ndim == 3:
-            raise IndexError("GGMLWeight: a single matrix has no leading axis to index (use .rows for rows)")
-        return dataclasses.replace(self, payload=self.payload[index])
+        return self.take(index)
 
     def rows(self, start: int, stop: int) -> "GGMLWeight":
         """Output rows ``start:stop`` (e.g. the gate or the up half of a fused gate_up projection)."""
         rows = self.payload.shape[-3]
         if not 0 <= start < stop <= rows:
             raise ValueError(f"GGMLWeight.rows: [{start}, {stop}) is not a row range of {rows} rows")
-        return dataclasses.replace(self, payload=self.payload[..., start:stop, :, :])
+        return self.take(rows=slice(start, stop))
 
     def __repr__(self) -> str:
         return f"GGMLWeight(shape={self.shape}, format={self.format!r}, method={self.method!r})"
@@ -308,7 +326,27 @@ def _integers(name: str, values, lo: int, hi: int, dtype) -> np.ndarray:
         _fail(name, f"must be an integer array, got {arr.dtype}")
     if arr.size and (arr.min() < lo or arr.max() > hi):
         _fail(name, f"values must lie in [{lo}, {hi}], found [{arr.min()}, {arr.max()}]")
-    return arr.astype(dtype)
+    return arr.astype(dtype, copy=False)
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    """``arr`` exposed read-only: a read-only view where ``arr`` itself is writeable (the caller's array stays
+    as it was), ``arr`` where it already is read-only."""
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
+
+
+def _derived(record, **fields):
+    """A checked record with some fields replaced by parts of its own arrays (an expert, some rows), made without
+    checking or copying again: parts of valid arrays are valid."""
+    if fields.get("method", RECORD_METHODS[0]) not in RECORD_METHODS:
+        raise ValueError(f"{type(record).__name__} method: {fields['method']!r} is not one of {RECORD_METHODS}")
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update({k: _readonly(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+    return new
 
 
 def _representable(values: np.ndarray, scale_dtype: str) -> bool:
