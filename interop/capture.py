@@ -39,17 +39,36 @@ def _bucket(n: int) -> int:
     return max(64, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _fixed_group_sizes(device: torch.device) -> bool:
-    """Whether a group of routed experts is always padded to the most slots of its row bucket.
-
-    Each distinct (slots, rows, columns) shape of a group compiles one accumulation program. Padded to a power of
-    two of its members, a group takes many shapes as routing loads vary from batch to batch and layer to layer: a
-    simulated 48-layer, 128-expert run (skewed loads, 8 batches of 262,144 routed rows per layer) compiled 44
-    programs, against 16 with one group size per bucket. On an accelerator a compile costs seconds and the padded
-    slots (empty, masked) cost little, so groups there are padded to the bucket's most slots; on CPU, where the
-    arithmetic dominates, only to the next power of two of the members.
-    """
+def _accelerator(device: torch.device) -> bool:
+    """Whether groups take the accelerator layout of :func:`_group_layout` (any device but the CPU)."""
     return device.type != "cpu"
+
+
+def _group_layout(counts: list, bytes_per_row: int, accelerator: bool) -> list:
+    """How a forward's routed experts are added: [(rows per slot p, experts of the slots, -1 for padding)].
+
+    Experts with the same :func:`_bucket` of rows share groups of at most ``_GROUP_BYTES`` of padded input (a
+    power of two of slots). Every slot is a full (p, C) x (p, C) product, padding slots included, and every
+    distinct (slots, p, C) shape compiles one accumulation program; each call costs the host about a millisecond
+    of dispatch, so groups are few and large. A level's last group is padded to the next power of two of its
+    members; on an accelerator to at least an eighth of the level's largest group, which bounds the programs per
+    level at four (padding every last group to the largest group wasted up to 125 slots' products a level).
+    """
+    levels: dict = {}
+    for e, n in enumerate(counts):
+        if n:
+            levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
+    cap = 1 << (len(counts) - 1).bit_length()
+    groups = []
+    for p, members in sorted(levels.items()):
+        most = max(1, _GROUP_BYTES // (p * bytes_per_row))
+        most = min(cap, 1 << (most.bit_length() - 1))
+        least = max(1, most // 8) if accelerator else 1
+        for i in range(0, len(members), most):
+            chunk = members[i:i + most]
+            g = min(most, max(least, 1 << (len(chunk) - 1).bit_length()))
+            groups.append((p, chunk + [-1] * (g - len(chunk))))
+    return groups
 
 
 class Collector:
@@ -224,32 +243,17 @@ class Collector:
                               f"{name} {'gate/up' if part == 'gate_up' else part}")
 
     def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str):
-        """Experts with a similar number of rows (the same power-of-two bucket) are padded to that bucket and
-        added together, a group of at most ``_GROUP_BYTES`` (a power of two of experts) per call; an expert with
-        more than ``_MAX_ROWS`` rows is added in passes of ``_MAX_ROWS``. See :func:`_fixed_group_sizes` for the
-        number of slots of a group.
+        """Experts with about as many rows are padded to the same rows per slot and added together, one group of
+        slots per call (:func:`_group_layout`); an expert with more than ``_MAX_ROWS`` rows is added in passes.
 
         ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
         computed positions (padding positions read any row and are masked out), so that packing needs no
         device synchronization beyond one small copy of the group layout per call."""
         c, dev = rows.shape[-1], rows.device
-        fixed = _fixed_group_sizes(dev)
-        cap = 1 << (n_exp - 1).bit_length()
         starts = [0] * n_exp
         for e in range(1, n_exp):
             starts[e] = starts[e - 1] + counts[e - 1]
-        levels: dict = {}
-        for e, n in enumerate(counts):
-            if n:
-                levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
-        groups = []                               # (rows per slot p, experts of the slots (-1: padding))
-        for p, members in sorted(levels.items()):
-            most = max(1, _GROUP_BYTES // (p * c * rows.element_size()))
-            most = 1 << (most.bit_length() - 1)
-            for i in range(0, len(members), most):
-                chunk = members[i:i + most]
-                g = min(most, cap) if fixed else min(most, 1 << (len(chunk) - 1).bit_length())
-                groups.append((p, chunk + [-1] * (g - len(chunk))))
+        groups = _group_layout(counts, c * rows.element_size(), _accelerator(dev))
         if not groups:
             return
         # the layout of every group (first row, rows) in one small host-to-device copy
@@ -274,7 +278,7 @@ class Collector:
                 for j, (_, statistic) in enumerate(chain):
                     if states[j] is None:
                         states[j] = statistic.init(c, n_exp, next(iter(xj.devices())))
-                    states[j] = statistic.update(states[j], xj, mj, index, name=name)
+                states = stats.update_group([s for _, s in chain], states, index, xj, mj, name=name)
         for (s, _), state in zip(chain, states):
             self.states_of[s][key] = state
 

@@ -160,9 +160,15 @@ def _grouped_forward(module, lay, collector, hidden_states, top_k_weights, order
     if collector is not None and routed:
         collector.routed_inputs(module, x, h, tok, counts)
     product = o * top_k_weights[tok, slot, None]
-    weighted = torch.zeros((order.numel(), o.shape[-1]), dtype=product.dtype, device=o.device)
-    weighted[sel] = product
-    out = weighted.view(-1, k, o.shape[-1]).sum(dim=1, dtype=torch.float32)
+    # each (token, slot) pair's row of ``product``: a gather through the inverse of ``order`` (a scatter into a
+    # zeroed buffer wrote every row twice)
+    pairs = order.numel()
+    where = torch.empty_like(order)
+    where[order] = torch.arange(pairs, device=order.device)
+    if routed < pairs:                          # sentinel pairs read a zero row
+        product = torch.cat([product, product.new_zeros((1, product.shape[-1]))])
+        where.clamp_(max=routed)
+    out = product[where].view(-1, k, o.shape[-1]).sum(dim=1, dtype=torch.float32)
     return out.to(hidden_states.dtype)
 
 

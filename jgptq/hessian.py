@@ -216,11 +216,14 @@ def accumulate_group(state: HessianState, sums, index, x, mask, *, input_dtype: 
     return _accumulate_group(state, sums, jnp.asarray(index), jnp.asarray(x), jnp.asarray(mask), input_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,),
-                   compiler_options=xla_options.gemm_options())
-def _accumulate_slots(state: HessianState, index, x, mask, input_dtype: str) -> HessianState:
+def add_slots(state: HessianState, index, x, mask, input_dtype: str) -> HessianState:
+    """The traceable body of :func:`accumulate_slots` (no checks; for use inside a jitted program)."""
     x, h, counts = _slot_products(x, mask, input_dtype)
     return HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts))
+
+
+_accumulate_slots = functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0,),
+                                      compiler_options=xla_options.gemm_options())(add_slots)
 
 
 def accumulate_slots(state: HessianState, index, x, mask, *, input_dtype: str = "float32",

@@ -25,13 +25,13 @@ Activations are not checked for NaN/Inf here (the capture checks them upstream).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgptq import hessian
+from jgptq import hessian, xla_options
 from jgptq.imatrix import ImatrixEntry
 
 HESSIAN, IMATRIX = "hessian", "imatrix"
@@ -48,12 +48,17 @@ class Statistic(NamedTuple):
       finalize: ``(state) -> result``.
       all_experts: for experts, the statistic sees every token (the ``all_experts`` calibration), not only the
         routed ones; the gate/up inputs are then the same for every expert and share one state.
+      slots: optional traceable ``(state, index (G,), x (G, P, C), mask (G, P)) -> state``, the group form of
+        ``update`` without checks: :func:`update_group` runs the group updates of a whole chain as one jitted
+        program with it (one dispatch per group instead of one per statistic). Must be the same object from
+        call to call (it keys the compiled program).
     """
 
     init: Callable[..., Any]
     update: Callable[..., Any]
     finalize: Callable[[Any], Any]
     all_experts: bool = False
+    slots: Optional[Callable[..., Any]] = None
 
 
 # -- GPTQ's Hessian -----------------------------------------------------------------------------------------------
@@ -86,7 +91,13 @@ def hessian_sum(input_dtype: str = "float32", all_experts: bool = False) -> Stat
     def finalize(state):
         return hessian.finalize(state), state.token_count.tolist()
 
-    return Statistic(init, update, finalize, all_experts)
+    return Statistic(init, update, finalize, all_experts, _hessian_slots(input_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _hessian_slots(input_dtype: str):
+    """The Hessian's group update for one operand dtype (one function object per dtype)."""
+    return functools.partial(hessian.add_slots, input_dtype=input_dtype)
 
 
 # -- llama.cpp's importance ---------------------------------------------------------------------------------------
@@ -107,12 +118,14 @@ def _squares_rows(state: SquaresState, index, x, mask) -> SquaresState:
                         state.token_count.at[index].add(jnp.sum(keep, dtype=jnp.int32)))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _squares_slots(state: SquaresState, index, x, mask) -> SquaresState:
+def _add_squares(state: SquaresState, index, x, mask) -> SquaresState:
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
     return SquaresState(state.sums.at[index].add(sq),
                         state.token_count.at[index].add(jnp.sum(mask, axis=1, dtype=jnp.int32)))
+
+
+_squares_slots = jax.jit(_add_squares, donate_argnums=(0,))
 
 
 def importance() -> Statistic:
@@ -139,7 +152,39 @@ def importance() -> Statistic:
     def finalize(state):
         return ImatrixEntry(np.asarray(state.sums, np.float32), np.asarray(state.token_count, np.float32))
 
-    return Statistic(init, update, finalize, False)
+    return Statistic(init, update, finalize, False, _add_squares)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_program(slots: tuple):
+    def run(states, index, x, mask):
+        return tuple(f(s, index, x, mask) for f, s in zip(slots, states))
+
+    return jax.jit(run, donate_argnums=(0,), compiler_options=xla_options.gemm_options())
+
+
+def update_group(chain, states: list, index, x, mask, name: str = "activations") -> list:
+    """Every statistic of ``chain`` updated with one group of experts (the ``index`` (G,) form of ``update``).
+
+    Where every statistic has a ``slots`` form, the updates run as ONE jitted program (the masked rows shared);
+    otherwise one ``update`` call each. ``states`` (their stacks of E entries) are donated.
+
+    Returns:
+      The updated states, in chain order.
+    """
+    chain = list(chain)
+    if not chain or any(s.slots is None for s in chain):
+        return [s.update(st, x, mask, index, name=name) for s, st in zip(chain, states)]
+    entries = jax.tree_util.tree_leaves(states[0])[0].shape[0]
+    index = hessian.check_group(entries, index, x, name)
+    for st in states:
+        cols = st.hessian_sum.shape[-1] if isinstance(st, hessian.HessianState) else \
+            st.sums.shape[-1] if isinstance(st, SquaresState) else x.shape[-1]
+        if cols != x.shape[-1]:
+            raise ValueError(f"{name}: activations of shape {tuple(x.shape)} do not match a state of {cols} columns")
+    if tuple(mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{name}: mask of shape {tuple(mask.shape)} does not match activations {tuple(x.shape)}")
+    return list(_chain_program(tuple(s.slots for s in chain))(tuple(states), jnp.asarray(index), x, mask))
 
 
 def calibration(input_dtype: str = "float32", all_experts: bool = False) -> dict:

@@ -88,13 +88,14 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
     import jgptq
 
     if grouping == "accelerator_slots":
-        # the accelerator policies: every group padded to its bucket's most slots (empty slots add nothing), the
-        # experts' forward as grouped matrix products
-        monkeypatch.setattr(capture, "_fixed_group_sizes", lambda device: True)
+        # the accelerator policies: last groups padded to at least an eighth of a level's largest group (empty
+        # slots add nothing), the experts' forward as grouped matrix products
+        monkeypatch.setattr(capture, "_accelerator", lambda device: True)
         monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: True)
     if grouping != "one_group":
         # experts accumulated a few at a time, their rows in several passes of 64 (the bucket floor)
-        monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)
+        monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3 if grouping != "accelerator_slots" else
+                            64 * 64 * 4 * 16)
         monkeypatch.setattr(capture, "_MAX_ROWS", 64)
     length = 16 if grouping == "one_group" else 96  # 96: some experts see more than 64 rows
 
@@ -122,6 +123,30 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
         h1, n1 = one.hessians[key]
         assert n == n1, key
         np.testing.assert_allclose(np.asarray(h), np.asarray(h1), rtol=1e-4, atol=1e-6, err_msg=str(key))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_group_layout_covers_each_expert_once_within_its_padding(accelerator):
+    rng = np.random.default_rng(0)
+    counts = [int(n) for n in rng.lognormal(7.5, 0.8, 128)]
+    counts[5] = counts[9] = 0
+    groups = capture._group_layout(counts, 2048 * 2, accelerator)
+    seen = [e for _, slots in groups for e in slots if e >= 0]
+    assert sorted(seen) == [e for e, n in enumerate(counts) if n]
+    sizes = {}
+    for p, slots in groups:
+        g = len(slots)
+        assert g * p * 2048 * 2 <= capture._GROUP_BYTES and g & (g - 1) == 0
+        real = sum(e >= 0 for e in slots)
+        assert g < 2 * real or accelerator       # on an accelerator: at least an eighth of the largest
+        sizes.setdefault(p, set()).add(g)
+        for e in slots:
+            if e >= 0:
+                n = min(counts[e], capture._MAX_ROWS)
+                assert n <= p and (p == 64 or p < 2 * n), (n, p)
+    if accelerator:   # a few programs per row size
+        assert all(len(s) <= 4 for s in sizes.values())
+        assert all(min(s) >= max(s) // 8 for s in sizes.values())
 
 
 def test_all_experts_mode_ties_gate_up_and_sees_every_token():
@@ -180,3 +205,27 @@ def test_grouped_products_on_cuda_match_the_loop(monkeypatch):
         if isinstance(key[1], tuple):  # expert inputs: bf16 rows of either path, summed in float32
             np.testing.assert_allclose(np.asarray(h), np.asarray(h_loop), rtol=5e-2,
                                        atol=5e-2 * float(np.abs(np.asarray(h_loop)).max()), err_msg=str(key))
+
+
+def test_expert_parallel_sentinels_add_nothing_in_both_paths(monkeypatch):
+    # ids >= num_experts mark pairs routed to experts of another rank: both paths drop them (zero contribution)
+    experts = build("qwen3_moe").model.layers[0].mlp.experts
+    n_exp = int(experts.num_experts)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, experts.down_proj.shape[1], generator=g)
+    index = torch.randint(0, n_exp, (10, 2), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    index[3, 1] = index[7, 0] = n_exp                  # two sentinel pairs
+    kept = weights.clone()
+    kept[3, 1] = kept[7, 0] = 0.0                       # the same pairs with zero weight, real ids
+    plain_index = index.clone()
+    plain_index[3, 1] = plain_index[7, 0] = 0
+    outs = {}
+    with torch.no_grad():
+        for grouped in (False, True):
+            monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype, on=grouped: on)
+            outs[grouped] = experts_capture.experts_forward(experts, x, index, weights)
+        monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: False)
+        reference = experts_capture.experts_forward(experts, x, plain_index, kept)
+    torch.testing.assert_close(outs[True], reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs[False], reference, rtol=0, atol=1e-6)

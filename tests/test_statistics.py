@@ -92,3 +92,24 @@ def test_split_group_updates_equal_the_fused_group_kernel_bit_for_bit(rng, input
     rows, keep = x[0, 0], mask[0, 0]
     alone = hs.accumulate_squares(jnp.zeros((e, c), jnp.float32), 4, rows, keep)
     assert np.array_equal(np.asarray(imp.update(imp.init(c, e), rows, keep, 4).sums), np.asarray(alone))
+
+
+@pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
+def test_a_chain_group_update_in_one_program_equals_the_updates_one_by_one(rng, input_dtype):
+    chain = list(st.calibration(input_dtype).values())
+    x = jnp.asarray(rng.standard_normal((4, 16, 8)).astype(np.float32))
+    mask = jnp.asarray(rng.random((4, 16)) < 0.7)
+    index = [3, 0, 5, 0]
+    one = [s.update(s.init(8, 6), x, mask, index) for s in chain]
+    fused = st.update_group(chain, [s.init(8, 6) for s in chain], index, x, mask)
+    for a, b in zip(one, fused):
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            assert np.array_equal(np.asarray(u), np.asarray(v))
+    # a statistic without a group form makes the chain take the one-by-one updates
+    plain = st.Statistic(*chain[1][:4])
+    again = st.update_group([chain[0], plain], [s.init(8, 6) for s in chain], index, x, mask)
+    assert np.array_equal(np.asarray(again[1].sums), np.asarray(one[1].sums))
+    with pytest.raises(ValueError, match="does not fit a stack of 6 experts"):
+        st.update_group(chain, [s.init(8, 6) for s in chain], [3, 0, 6, 0], x, mask)
+    with pytest.raises(ValueError, match="do not match a state of 9 columns"):
+        st.update_group(chain, [s.init(9, 6) for s in chain], index, x, mask)

@@ -80,3 +80,27 @@ def test_validation(change, rule):
     with pytest.raises(ValueError, match=rule):
         QuantizedWeight(**_fields(rec, **change(rec)))
     assert GROUP == rec.group_size
+
+
+def test_take_gives_views_of_a_checked_stack():
+    result, stack = solved_experts(config())
+    rows = np.array([5, 0, 17, 3])
+    part = stack.take(2, rows, method="rtn")
+    full = np.asarray(result.weight)
+    assert np.array_equal(part.dequantize(), full[2][rows]) and part.method == "rtn" and stack.method == "gptq"
+    half = stack.take(4, slice(32, 64))
+    assert np.shares_memory(half.codes, stack.codes)          # a slice is a view: no copy per expert
+    assert np.array_equal(half.dequantize(), full[4, 32:])
+    assert not half.codes.flags.writeable and not part.codes.flags.writeable
+    with pytest.raises(ValueError, match="method: 'cached' is not one of"):
+        stack.take(0, method="cached")
+    with pytest.raises(IndexError, match="no leading axis"):
+        stack[0].take(0)
+
+
+def test_a_record_does_not_copy_codes_of_its_dtype_and_leaves_them_writeable_for_their_owner():
+    result, rec = solved(config())
+    codes = np.array(rec.codes)
+    mine = QuantizedWeight(codes, rec.scales, rec.zeros, rec.g_idx, bits=rec.bits, group_size=rec.group_size,
+                           sym=rec.sym)
+    assert np.shares_memory(mine.codes, codes) and codes.flags.writeable and not mine.codes.flags.writeable
