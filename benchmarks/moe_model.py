@@ -1,10 +1,11 @@
 """A whole Qwen3-30B-A3B-shaped MoE model through jgptq.quantize_moe on one GPU: wall time, stages, peak memory.
 
 The model: 48 decoder layers, 128 experts of width 768 (top-8), hidden 2048, 32 query / 4 key-value heads of 128,
-vocabulary 151,936, random bf16 weights built on the GPU from its config. With ``--offload cpu`` (default) the
-pipeline moves the decoder layers to host memory first and brings one at a time to the GPU; ``--offload disk``
-keeps each layer in a file (``--offload-dir``) and host memory holds one layer; ``--offload none`` keeps every
-layer on the GPU; ``--device-budget 40GB`` checks each layer's estimated need first. Calibration: 128 sequences x 2048
+vocabulary 151,936, random bf16 weights built on the GPU from its config. ``--offload none`` (default, as
+``quantize_moe``) keeps every layer on the GPU (61 GB); with ``--offload cpu`` the pipeline moves the decoder layers
+to host memory first and brings one at a time to the GPU; ``--offload disk`` keeps each layer in a file
+(``--offload-dir``) and host memory holds one layer; ``--device-budget 40GB`` checks each layer's estimated need
+first. Calibration: 128 sequences x 2048
 random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetric, float16 scales), every expert
 of a layer in one vmapped solve per shape; ``--format q4_k`` (any GGML format) runs GGML group updates instead, and
 with ``--export`` writes a GGUF file.
@@ -103,8 +104,8 @@ def main(argv=None):
                    help="checkpoint kind of --export (default: gguf for a GGML --format, else compressed-tensors)")
     p.add_argument("--format", default="int", metavar="FORMAT",
                    help="int (int4 group 128, the default) or a GGML format such as q4_k (GGML group updates)")
-    p.add_argument("--offload", choices=("none", "cpu", "disk"), default="cpu",
-                   help="where layers wait: none (on the GPU), cpu (host memory), disk (files) (default: cpu)")
+    p.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+                   help="where layers wait: none (on the GPU, the default), cpu (host memory), disk (files)")
     p.add_argument("--no-offload", dest="offload", action="store_const", const="none", help="--offload none")
     p.add_argument("--offload-dir", help="folder of the layer files of --offload disk (default: a temporary one)")
     p.add_argument("--device-budget", help="bytes the run may place on the GPU, e.g. 60GB (default: no check)")
