@@ -155,7 +155,7 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
     path_m, seconds = os.path.join(work, f"{ctx['name']}-jgptq-{mix}.gguf"), None
     if not _reused(path_m, args.reuse):
         model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], mix=mix)
-        export_gguf(model, result, path_m, overwrite=True, float_type="f32")
+        export_gguf(model, result, path_m, overwrite=True, float_type="f32", float_embeddings=True)
         del model, result
     entry["jgptq_mix"] = side.measure("mix", path_m, seconds)
     lt, mt = llama_side.tensor_types(path_l), llama_side.tensor_types(path_m)
@@ -193,7 +193,7 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
                                            assignment=tuple(assignment_of(alloc)))
         source = "interop.sensitivity.reallocate of the first budget's measurement, run with its assignment"
     if model is not None:
-        export_gguf(model, result, path_t, overwrite=True, float_type="f32")
+        export_gguf(model, result, path_t, overwrite=True, float_type="f32", float_embeddings=True)
         with open(kept, "w") as f:
             json.dump(alloc, f)
         del model, result

@@ -308,7 +308,11 @@ def _edge_records(model, result, plan: dict, state: dict, records: dict) -> dict
         return {}
     tied = "output" not in roles.values() and not any(plan[p] and plan[p][0].role == "output" for p in records)
     cols = int(state[next(iter(roles))].shape[-1])
-    formats = edge_formats(config, cols, tied)
+    weights = Counter()
+    for rec in records.values():
+        if isinstance(rec, GGMLWeight):
+            weights[rec.format] += int(np.prod(rec.shape))
+    formats = edge_formats(config, cols, tied, weights.most_common(1)[0][0] if weights else None)
     out = {}
     for param, role in roles.items():
         fmt = formats.get("token_embd" if role == "embedding" else "output")

@@ -154,7 +154,7 @@ def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_g
     return Plan(matrices, skipped, notes, unmatched)
 
 
-def edge_formats(config, cols: int, tied: bool) -> dict:
+def edge_formats(config, cols: int, tied: bool, dominant: str = None) -> dict:
     """The formats of the token embedding and the output head of a GGML run, as llama.cpp's quantizer chooses
     them for the run's file type (:func:`jgptq.mixes.edge_format`); the pipeline itself quantizes neither.
 
@@ -162,14 +162,21 @@ def edge_formats(config, cols: int, tied: bool) -> dict:
       config: the run's :class:`jgptq.config.PipelineConfig`.
       cols: the row length of both (the hidden size).
       tied: the model has no separate head (the embedding then gets the head's rule; ``"output"`` is left out).
+      dominant: the GGML format holding most of the run's quantized weights. A run without a mix whose tensors
+        were given formats one by one (``target_bpw``, ``assignment``) is named by it, as llama.cpp names a file
+        by its main type, and its edges follow that type's rules (not those of ``config.quant.format``, which
+        there is only the first candidate).
     Returns:
       ``{"token_embd": format or None, "output": format or None}`` (None: floating point); empty for an
       integer-grid run.
     """
     if not config.quant.is_ggml:
         return {}
-    base = mixes.PRESETS[config.mix] if config.mix is not None else config.quant.format
-    ftype = mixes.file_type(config.mix, config.quant.format)
+    fmt = config.quant.format
+    if config.mix is None and dominant is not None and (config.assignment or config.target_bpw is not None):
+        fmt = dominant
+    base = mixes.PRESETS[config.mix] if config.mix is not None else fmt
+    ftype = mixes.file_type(config.mix, fmt)
     out = {"token_embd": mixes.edge_format(ftype, base, "token_embd", cols, tied)}
     if not tied:
         out["output"] = mixes.edge_format(ftype, base, "output", cols)

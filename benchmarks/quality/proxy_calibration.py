@@ -40,7 +40,7 @@ def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quant
         runs[fmt] = types.SimpleNamespace(weights=result.weights, param_keys=result.param_keys)
         losses[fmt] = bpw_parts.param_losses(result)
         path = os.path.join(work, f"{name}-uniform-{fmt}.gguf")
-        export_gguf(float_model, runs[fmt], path, overwrite=True, float_type="f32")
+        export_gguf(float_model, runs[fmt], path, overwrite=True, float_type="f32", float_embeddings=True)
         del model, result
         stats = side.measure(f"uniform-{fmt}", path, seconds)
         uniform[fmt] = {k: stats[k] for k in ("kl_mean", "kl_mean_stderr", "bits_per_weight", "bytes",
@@ -54,7 +54,8 @@ def calibrate(ctx, float_model, imat, side, export_gguf, formats, n_alloc, quant
 
     def measure(alloc, tag):
         path = os.path.join(work, f"{name}-alloc-{tag}.gguf")
-        export_gguf(float_model, bpw_parts.assemble(runs, alloc), path, overwrite=True, float_type="f32")
+        export_gguf(float_model, bpw_parts.assemble(runs, alloc), path, overwrite=True, float_type="f32",
+                    float_embeddings=True)
         stats = side.measure(tag, path)
         os.remove(path)
         return stats

@@ -51,6 +51,13 @@ def test_plan_decides_from_the_mix_or_the_plain_format():
         "token_embd": "q4_k", "output": "q6_k"}                           # llama.cpp's Q4_K_S
     assert edge_formats(PipelineConfig.build(None, format="iq2_s"), 256, tied=True) == {"token_embd": "q5_k"}
     assert edge_formats(PipelineConfig.build(None, format="int", group_size=32), 256, tied=False) == {}
+    # a run of per-tensor formats (target_bpw, assignment) is named by its dominant format, not its first candidate
+    target = PipelineConfig.build(None, format="iq2_xxs", target_bpw=5.0, target_formats=("iq2_xxs", "q5_k"))
+    assert edge_formats(target, 256, tied=False, dominant="q5_k") == edge_formats(
+        PipelineConfig.build(None, format="q5_k"), 256, tied=False) == {"token_embd": "q5_k", "output": "q6_k"}
+    assert edge_formats(target, 256, tied=False)["token_embd"] == "q2_k"        # without it: the first candidate
+    assert edge_formats(PipelineConfig.build(None, format="q4_k", mix="q4_k_m"), 256, tied=False,
+                        dominant="q8_0") == {"token_embd": "q4_k", "output": "q6_k"}   # a mix keeps its rules
 
 
 def _run(family="qwen3_moe", **config):
