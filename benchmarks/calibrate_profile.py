@@ -9,9 +9,8 @@ on it:
    exclusive seconds (its own minus its children's) per layer, and the warm-layer mean (layers after the first,
    whose figures hold compiles). Sections: ``layer forward`` (a decoder layer's calibration forward, outside the
    parts below: attention, norms, router), ``experts loop`` (the capture implementation's per-expert forward),
-   ``routed packing`` (sorting each expert's rows into padded groups; the sums of squares of a group),
-   ``group accumulate`` (the jitted Hessian sums of a group), ``linear hooks`` (the attention projections'
-   statistics), ``dlpack`` (torch -> JAX hand-offs). Synchronizing removes the overlap of host and device work,
+   ``routed packing`` (sorting each expert's rows into padded groups), ``group accumulate`` (the jitted sums of
+   a group: Hessian and importance in one program), ``linear hooks`` (the attention projections' statistics), ``dlpack`` (torch -> JAX hand-offs). Synchronizing removes the overlap of host and device work,
    so the sections add up to more than the unsynchronized stage.
 2. host profile: the same run without timers under ``cProfile``, once per offload mode (``--offload none,cpu``);
    the JSON lists the functions with the most host seconds (own time), which is where the host waits on the
@@ -102,7 +101,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
     import jax
 
     from interop import capture, experts_capture, layerwise
-    from jgptq import hessian
+    from jgptq import statistics
 
     sec = Sections(sync)
     originals = []
@@ -119,16 +118,16 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
             return run_layer.fn(layer, hs, rest, kwargs)
 
     run_layer.fn = layerwise.run_layer
-    accumulate_slots = hessian.accumulate_slots  # the Hessian sums of a group of experts
+    update_group = statistics.update_group  # the statistics chain's sums of a group of experts, one program
 
     def timed_group(*a, **k):
         with sec.section("group accumulate"):
-            res = accumulate_slots(*a, **k)
+            res = update_group(*a, **k)
             jax.block_until_ready(res)
         return res
 
     patches = [(layerwise, "_layer_step", process_layer), (layerwise, "run_layer", run_layer),
-               (hessian, "accumulate_slots", timed_group)]
+               (statistics, "update_group", timed_group)]
     for owner, attr, new in patches:
         originals.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, new)
