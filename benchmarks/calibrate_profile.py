@@ -10,8 +10,9 @@ on it:
    whose figures hold compiles). Sections: ``layer forward`` (a decoder layer's calibration forward, outside the
    parts below: attention, norms, router), ``experts loop`` (the capture implementation's per-expert forward),
    ``routed packing`` (sorting each expert's rows into padded groups), ``group accumulate`` (the jitted sums of
-   a group: Hessian and importance in one program), ``linear hooks`` (the attention projections' statistics), ``dlpack`` (torch -> JAX hand-offs). Synchronizing removes the overlap of host and device work,
-   so the sections add up to more than the unsynchronized stage.
+   a group: Hessian and importance in one program), ``linear hooks`` (the attention projections' statistics),
+   ``dlpack`` (torch -> JAX hand-offs). Synchronizing removes the overlap of host and device work, so the
+   sections add up to more than the unsynchronized stage.
 2. host profile: the same run without timers under ``cProfile``, once per offload mode (``--offload none,cpu``);
    the JSON lists the functions with the most host seconds (own time), which is where the host waits on the
    device or runs Python.
