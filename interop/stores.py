@@ -6,7 +6,6 @@ A record is :meth:`jgptq.bucket.Solved.record` taken under each checkpoint key t
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,6 @@ import torch
 from interop import models
 from interop.dlpack import to_torch
 from interop.moves import Staging
-from jgptq import bucket
 
 
 class _HostCopies:
@@ -48,19 +46,15 @@ class _HostCopies:
         with torch.cuda.stream(stream):
             return staging.to_host(t).numpy()
 
-    def host(self, res):
-        """``res`` (a :class:`jgptq.bucket.Solved`) with its arrays in host memory and no dequantized weight."""
-        return dataclasses.replace(res, weight=None, **{k: self(getattr(res, k)) for k in bucket.ARRAYS})
-
 
 def layer_records(names: dict, solved: list, copies=None) -> dict:
     """Checkpoint key -> :class:`jgptq.export.QuantizedWeight` / :class:`jgptq.export.GGMLWeight` of a layer's
     solved matrices ``[(Matrix, parameter name, Solved)]`` (arrays brought to host memory here, by ``copies``: a
-    :class:`_HostCopies`)."""
+    :class:`_HostCopies`, the converter of :meth:`jgptq.bucket.Solved.host`)."""
     copies = copies or _HostCopies()
     weights: dict = {}
     for m, param, res in solved:
-        whole = copies.host(res).record(transposed=m.transposed)   # checked once; the keys take parts of it
+        whole = res.host(copies).record(transposed=m.transposed)   # checked once; the keys take parts of it
         for key, expert, rows in names[param]:
             if m.layout is None or expert is not None:
                 e = 0 if expert is None else expert

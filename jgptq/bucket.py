@@ -80,7 +80,7 @@ class Stack(NamedTuple):
 
 
 _FIGURES = ("loss", "damp_used", "damp_stage", "fallback", "dead_columns")
-ARRAYS = ("codes", "scales", "zeros", "g_idx", "perm", "payload")   # a Solved's device arrays
+_ARRAYS = ("codes", "scales", "zeros", "g_idx", "perm", "payload")
 
 
 @dataclasses.dataclass
@@ -113,9 +113,9 @@ class Solved:
     perm: Optional[object] = None
     payload: Optional[object] = None
 
-    def host(self) -> "Solved":
-        """This result with its arrays in host memory (numpy) and without the dequantized weight."""
-        arrays = {k: None if getattr(self, k) is None else np.asarray(getattr(self, k)) for k in ARRAYS}
+    def host(self, to_host=np.asarray) -> "Solved":
+        """This result with its arrays in host memory (numpy, by ``to_host``) and without the dequantized weight."""
+        arrays = {k: None if getattr(self, k) is None else to_host(getattr(self, k)) for k in _ARRAYS}
         return dataclasses.replace(self, weight=None, **arrays)
 
     def record(self, index=None, rows=None, *, transposed: bool = False):
@@ -211,7 +211,7 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
             kept_plain = plain_won.tolist()
         else:
             res = parallel.solve_experts(weights, hessians, quant, name=name, devices=devices, importance=importance)
-        fields.update({k: getattr(res, k) for k in ("weight",) + _FIGURES + ARRAYS})
+        fields.update({k: getattr(res, k) for k in ("weight",) + _FIGURES + _ARRAYS})
         if ggml and any(low):  # too few tokens: the plain encode (the kept plain encodes are already in place)
             plain, _ = parallel.encode_experts(plain_encoder(quant.format), weights, importance)
             mask = jnp.asarray(low)[:, None, None, None]
