@@ -257,13 +257,17 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
                              f"the result")
 
-    edges = _edge_records(model, result, plan, state, records) if result is not None and not float_embeddings else {}
+    formats = Counter()      # weights per GGML format of the run's own records: general.file_type and edge rules
+    for rec in records.values():
+        formats[rec.format] += int(np.prod(rec.shape))
+    edges = (_edge_records(model, result, plan, state, records, formats)
+             if result is not None and not float_embeddings else {})
     records.update(edges)
     for param in records:
         if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
             plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
 
-    tensors, formats = [], Counter()
+    tensors = []
     freqs = rope_freqs(model.config)
     if freqs is not None:
         tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs, "f32"))
@@ -274,8 +278,6 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
             shape = (int(np.prod(shape)),) if t.flat else shape
             if rec is not None:
                 tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
-                if param not in edges:   # general.file_type is the run's, whatever llama.cpp's rules add
-                    formats[rec.format] += int(np.prod(shape))
                 continue
             kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
             tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,
@@ -295,9 +297,10 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
 
 
-def _edge_records(model, result, plan: dict, state: dict, records: dict) -> dict:
+def _edge_records(model, result, plan: dict, state: dict, records: dict, formats: Counter) -> dict:
     """GGML records of the token embedding and the output head in llama.cpp's types for the run (none for an
-    integer run or a result without a config), each added to the run's report."""
+    integer run or a result without a config), each added to the run's report; ``formats`` counts the run's
+    weights per format (its dominant one names the file type)."""
     import jgptq.ggml as ggml
     from interop.report import ModuleRecord
     from jgptq.plan import edge_formats
@@ -308,14 +311,10 @@ def _edge_records(model, result, plan: dict, state: dict, records: dict) -> dict
         return {}
     tied = "output" not in roles.values() and not any(plan[p] and plan[p][0].role == "output" for p in records)
     cols = int(state[next(iter(roles))].shape[-1])
-    weights = Counter()
-    for rec in records.values():
-        if isinstance(rec, GGMLWeight):
-            weights[rec.format] += int(np.prod(rec.shape))
-    formats = edge_formats(config, cols, tied, weights.most_common(1)[0][0] if weights else None)
+    edge = edge_formats(config, cols, tied, formats.most_common(1)[0][0] if formats else None)
     out = {}
     for param, role in roles.items():
-        fmt = formats.get("token_embd" if role == "embedding" else "output")
+        fmt = edge.get("token_embd" if role == "embedding" else "output")
         if fmt is None or param in records:
             continue
         weight = state[param].detach().to("cpu", torch.float32).numpy()

@@ -162,19 +162,17 @@ def edge_formats(config, cols: int, tied: bool, dominant: str = None) -> dict:
       config: the run's :class:`jgptq.config.PipelineConfig`.
       cols: the row length of both (the hidden size).
       tied: the model has no separate head (the embedding then gets the head's rule; ``"output"`` is left out).
-      dominant: the GGML format holding most of the run's quantized weights. A run without a mix whose tensors
-        were given formats one by one (``target_bpw``, ``assignment``) is named by it, as llama.cpp names a file
-        by its main type, and its edges follow that type's rules (not those of ``config.quant.format``, which
-        there is only the first candidate).
+      dominant: the GGML format holding most of the run's quantized weights. A run without a mix is named by
+        it, as llama.cpp names a file by its main type (and as ``general.file_type`` is written), and its edges
+        follow that type's rules; it differs from ``config.quant.format`` where tensors were given formats one by
+        one (``target_bpw``, ``assignment``: there ``config.quant.format`` is only the first candidate).
     Returns:
       ``{"token_embd": format or None, "output": format or None}`` (None: floating point); empty for an
       integer-grid run.
     """
     if not config.quant.is_ggml:
         return {}
-    fmt = config.quant.format
-    if config.mix is None and dominant is not None and (config.assignment or config.target_bpw is not None):
-        fmt = dominant
+    fmt = dominant if config.mix is None and dominant is not None else config.quant.format
     base = mixes.PRESETS[config.mix] if config.mix is not None else fmt
     ftype = mixes.file_type(config.mix, fmt)
     out = {"token_embd": mixes.edge_format(ftype, base, "token_embd", cols, tied)}
