@@ -16,7 +16,6 @@ layer losses is reported beside it.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -24,12 +23,6 @@ import numpy as np
 from benchmarks import common
 
 DOC = __doc__.splitlines()[0]
-
-
-def _paired(a: np.ndarray, b: np.ndarray) -> dict:
-    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    return {"mean": float(d.mean()), "stderr": float(d.std(ddof=1) / math.sqrt(d.size)),
-            "share_static_lower": float(np.mean(d > 0))}
 
 
 def main(argv=None):
@@ -48,7 +41,7 @@ def main(argv=None):
     import jgptq
     import torch
 
-    from benchmarks.gguf_quality import DEFAULT_CACHE
+    from benchmarks.gguf_quality import DEFAULT_CACHE, _paired
     from benchmarks.quality import corpus, lm
     from interop.evaluate import evaluate
 
