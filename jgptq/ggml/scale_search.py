@@ -53,22 +53,27 @@ def symmetric_search(x, nmax: int, w):
         lf = as_f32(lv)
         return lv, ordered_sum(mul(wx, lf), 0.0), ordered_sum(mul(mul(w, lf), lf), 0.0)
 
-    lv, sumlx, suml2 = quantize(div(np.float32(-nmax), mx))
+    iscale = div(np.float32(-nmax), mx)
+    _, sumlx, suml2 = quantize(iscale)
     scale = jnp.where(suml2 != 0, div(sumlx, suml2), 0.0)
     best = mul(scale, sumlx)
     tries = np.array([np.float32(nmax) + np.float32(np.float32(0.1) * np.float32(i))
                       for i in range(-9, 10) if i != 0], np.float32)
     tries = jnp.asarray(-tries)
 
+    # The loop carries per-group numbers only: the codes of the best try are rebuilt once from its inverse scale
+    # (the same float32 operations, so the same codes), instead of a (..., n) copy written at every try.
     def body(k, carry):
-        lbest, scale, best = carry
-        lv, sumlx, suml2 = quantize(div(tries[k], mx))
+        ibest, scale, best = carry
+        isc = div(tries[k], mx)
+        _, sumlx, suml2 = quantize(isc)
         take = (suml2 > 0) & (mul(sumlx, sumlx) > mul(best, suml2))
         new_scale = div(sumlx, suml2)
-        return (jnp.where(_bcast(take), lv, lbest), jnp.where(take, new_scale, scale),
+        return (jnp.where(take, isc, ibest), jnp.where(take, new_scale, scale),
                 jnp.where(take, mul(new_scale, sumlx), best))
 
-    lv, scale, _ = lax.fori_loop(0, len(tries), body, (lv, scale, best))
+    iscale, scale, _ = lax.fori_loop(0, len(tries), body, (iscale, scale, best))
+    lv = quantize(iscale)[0]
     zero = amax < GROUP_MAX_EPS
     return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv + nmax)
 
@@ -120,16 +125,19 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
 
     iscale = div(np.float32(nmax), hi - mn)
     scale = div(np.float32(1), iscale)
-    lv = codes(iscale, mn)
-    best = error(scale, mn, lv)
+    best = error(scale, mn, codes(iscale, mn))
     tries = np.array([np.float32(np.float32(np.float32(rmin) + np.float32(np.float32(rdelta) * np.float32(i)))
                                  + np.float32(nmax)) for i in range(nstep + 1)], np.float32)
     tries = jnp.asarray(tries)
 
+    # The loop carries per-group numbers only: the best try's codes are rebuilt once after it from the inverse
+    # scale and min that made them (the same float32 operations, so the same codes), instead of a (..., n) copy
+    # written at every try (on a GPU that copy was most of the encoder's memory traffic).
     def body(k, carry):
-        lbest, best, scale, mn_cur = carry
+        (ibest, mbest), best, scale, mn_cur = carry
         # C keeps updating ``min`` inside the loop: later tries measure the range from the accepted min.
-        la = codes(div(tries[k], hi - mn_cur), mn_cur)
+        isc = div(tries[k], hi - mn_cur)
+        la = codes(isc, mn_cur)
         lf = as_f32(la)
         wl = mul(w, lf)
         sum_l = ordered_sum(wl, 0.0)
@@ -143,11 +151,13 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
         this_scale = jnp.where(clamp, div(sum_xl, sum_l2), this_scale)
         cur = error(this_scale, this_min, la)
         take = (d > 0) & (cur < best)
-        return (jnp.where(_bcast(take), la, lbest), jnp.where(take, cur, best),
+        return ((jnp.where(take, isc, ibest), jnp.where(take, mn_cur, mbest)), jnp.where(take, cur, best),
                 jnp.where(take, this_scale, scale), jnp.where(take, this_min, mn_cur))
 
+    made = (iscale, mn)
     if nstep >= 1:
-        lv, best, scale, mn = lax.fori_loop(0, nstep + 1, body, (lv, best, scale, mn))
+        made, best, scale, mn = lax.fori_loop(0, nstep + 1, body, (made, best, scale, mn))
+    lv = codes(*made)
     return (jnp.where(flat, 0.0, scale), -mn, jnp.where(_bcast(flat), 0, lv))
 
 
