@@ -84,7 +84,24 @@ def settle(v):
     v = jnp.asarray(v, F32)
     bits = lax.bitcast_convert_type(v, jnp.uint32)
     other = lax.bitcast_convert_type(bits ^ jnp.uint32(1), F32)
-    return jnp.where(bits != _NAN_PATTERN, v, other)
+    return lax.select(bits != _NAN_PATTERN, v, other)
+
+
+def where(cond, a, b):
+    """``jnp.where(cond, a, b)`` as one ``select`` (operands broadcast and promoted as ``jnp.where`` does).
+
+    ``jnp.where`` is a program of its own in the trace; the codecs call it hundreds of times, and every nested
+    program is one more to batch and lower."""
+    dtype = jnp.result_type(a, b)
+    shape = jnp.broadcast_shapes(jnp.shape(cond), jnp.shape(a), jnp.shape(b))
+
+    def fit(v, dt):
+        v = jnp.asarray(v, dt)
+        if v.shape == shape:
+            return v
+        return lax.broadcast_in_dim(v, shape, tuple(range(len(shape) - v.ndim, len(shape))))
+
+    return lax.select(fit(cond, jnp.bool_), fit(a, dtype), fit(b, dtype))
 
 
 def mul(a, b):
@@ -98,12 +115,12 @@ def _widen(a):
     sign = bits >> np.uint64(31)
     exp = (bits >> np.uint64(23)) & np.uint64(0xFF)
     mant = bits & np.uint64(0x7FFFFF)
-    wide_exp = jnp.where(exp == 0xFF, np.uint64(0x7FF), exp + np.uint64(896))  # Inf/NaN keep an all-ones exponent
+    wide_exp = where(exp == 0xFF, np.uint64(0x7FF), exp + np.uint64(896))  # Inf/NaN keep an all-ones exponent
     normal = lax.bitcast_convert_type((sign << np.uint64(63)) | (wide_exp << np.uint64(52)) | (mant << np.uint64(29)),
                                       jnp.float64)
     small = mant.astype(jnp.float64) * np.float64(2.0 ** -149)  # zero or subnormal: exact
-    small = jnp.where(sign == 1, -small, small)
-    return jnp.where(exp == 0, small, normal)
+    small = where(sign == 1, -small, small)
+    return where(exp == 0, small, normal)
 
 
 def _div64(a, b):
@@ -145,8 +162,8 @@ def roundf(v):
     v = jnp.asarray(v, F32)
     a = jnp.abs(v)
     fl = jnp.floor(a)
-    r = fl + jnp.where(a - fl >= np.float32(0.5), np.float32(1), np.float32(0))
-    return jnp.where(v < 0, -r, r)
+    r = fl + where(a - fl >= np.float32(0.5), np.float32(1), np.float32(0))
+    return where(v < 0, -r, r)
 
 
 def trunc_int(v):
@@ -175,22 +192,40 @@ def ordered_sum(terms, start=None, unroll: int = 256):
     """
     terms = jnp.asarray(terms, F32)
     n = terms.shape[-1]
-    if start is None:
-        acc = terms[..., 0]
-    elif isinstance(start, (int, float)) and start == 0:
-        t0 = terms[..., 0]
-        acc = jnp.where(t0 == 0, jnp.zeros_like(t0), t0)
-    else:
-        acc = jnp.asarray(start, F32) + terms[..., 0]
     if n <= unroll:
+        parts = columns(terms)
+        acc = _first_term(parts[0], start, keepdims=True)
         for i in range(1, n):
-            acc = acc + terms[..., i]
-        return acc
+            acc = acc + parts[i]
+        return _drop_last(acc)
+    acc = _first_term(terms[..., 0], start, keepdims=False)
 
     def add(i, acc):
         return acc + lax.dynamic_index_in_dim(terms, i, axis=-1, keepdims=False)
 
     return lax.fori_loop(1, n, add, acc)
+
+
+def columns(x) -> list:
+    """The n entries of ``x`` (..., n) along its last axis as n arrays (..., 1), cut by one split.
+
+    Written-out loops over a group's elements use these instead of ``x[..., i]`` (a slice and a squeeze each): a
+    codec's program has thousands of such steps, and each is a step to trace, batch and lower."""
+    n = x.shape[-1]
+    return list(lax.split(x, (1,) * n, axis=x.ndim - 1))
+
+
+def _drop_last(x):
+    return lax.squeeze(x, (x.ndim - 1,))
+
+
+def _first_term(t0, start, keepdims: bool):
+    if start is None:
+        return t0
+    if isinstance(start, (int, float)) and start == 0:
+        return where(t0 == 0, jnp.zeros_like(t0), t0)
+    start = jnp.asarray(start, F32)
+    return (start[..., None] if keepdims and start.ndim else start) + t0
 
 
 def prefix_sums(p):
@@ -227,11 +262,11 @@ def first_absmax(x):
     magnitude, and ``+0`` when every element is zero. NaN elements are skipped, as C's ``>`` skips them.
     """
     ax = jnp.abs(x)
-    ax = jnp.where(ax == ax, ax, jnp.zeros_like(ax))
+    ax = where(ax == ax, ax, jnp.zeros_like(ax))
     idx = jnp.argmax(ax, axis=-1)
     amax = jnp.max(ax, axis=-1)
     m = jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
-    return amax, jnp.where(amax > 0, m, jnp.zeros_like(m))
+    return amax, where(amax > 0, m, jnp.zeros_like(m))
 
 
 def scan_min_max(x):
@@ -239,21 +274,21 @@ def scan_min_max(x):
 
     Sequential on purpose: it keeps C's choice between ``-0`` and ``+0``. Returns (min, max), float32 (...,).
     """
-    lo = x[..., 0]
-    hi = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        v = x[..., i]
-        lo = jnp.where(v < lo, v, lo)
-        hi = jnp.where(v > hi, v, hi)
-    return lo, hi
+    parts = columns(jnp.asarray(x))
+    lo = hi = parts[0]
+    for v in parts[1:]:
+        lo = lax.select(v < lo, v, lo)
+        hi = lax.select(v > hi, v, hi)
+    return _drop_last(lo), _drop_last(hi)
 
 
 def scan_max_gt(x, start=0.0):
     """C's ``m = start; for each v: if (v > m) m = v;`` -> float32 (...,)."""
-    m = jnp.full(x.shape[:-1], start, F32)
-    for i in range(x.shape[-1]):
-        m = jnp.where(x[..., i] > m, x[..., i], m)
-    return m
+    x = jnp.asarray(x, F32)
+    m = jnp.full(x.shape[:-1] + (1,), start, F32)
+    for v in columns(x):
+        m = lax.select(v > m, v, m)
+    return _drop_last(m)
 
 
 # ----------------------------------------------------------------------------------------------- fp16 and bytes
@@ -278,11 +313,11 @@ def f16_value(bits):
     exp = (h >> 10) & 0x1F
     mant = h & 0x3FF
     normal = ((exp + 112) << 23) | (mant << 13)
-    special = jnp.uint32(0x7F800000) | (mant << 13) | jnp.where(mant != 0, jnp.uint32(0x400000), jnp.uint32(0))
+    special = jnp.uint32(0x7F800000) | (mant << 13) | where(mant != 0, jnp.uint32(0x400000), jnp.uint32(0))
     shift = lax.clz(mant) - 21  # mant << shift has its leading one at bit 10
     sub = ((113 - shift) << 23) | (((mant << shift) & 0x3FF) << 13)
-    sub = jnp.where(mant == 0, jnp.uint32(0), sub)
-    out = jnp.where(exp == 0, sub, jnp.where(exp == 0x1F, special, normal))
+    sub = where(mant == 0, jnp.uint32(0), sub)
+    out = where(exp == 0, sub, where(exp == 0x1F, special, normal))
     return lax.bitcast_convert_type(sign | out, F32)
 
 

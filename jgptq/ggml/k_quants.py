@@ -34,6 +34,7 @@ from jgptq.ggml.common import (
     sqrt,
     u16_le,
     unblock,
+    where,
 )
 from jgptq.ggml.registry import register
 from jgptq.ggml.scale_search import affine_search, cubic_refine_search, positive_search, symmetric_search
@@ -164,7 +165,7 @@ def decode_q3_k(payload):
     """Q3_K payload uint8 (..., nb*110) -> float32 (..., nb*256)."""
     p = blocks(jnp.asarray(payload, jnp.uint8), 110)
     hbit = _unpack_bitplanes(p[..., 0:32])
-    q = _unpack_2bit(p[..., 32:96]) - jnp.where(hbit == 1, 0, 4)
+    q = _unpack_2bit(p[..., 32:96]) - where(hbit == 1, 0, 4)
     dl = mul(read_f16(p[..., 108:110])[..., None], as_f32(_unpack_q3_scales(p[..., 96:108])))
     return unblock(_flat(mul(dl[..., None], as_f32(q).reshape(q.shape[:-1] + (16, 16)))))
 
@@ -217,7 +218,7 @@ def _requant(xs, dq, lo, hi, old, mq=None):
     """Codes from the decoded sub-scales: clamp(nearest_int((x + mq) / dq)), kept from ``old`` where dq == 0."""
     num = xs if mq is None else xs + mq[..., None]
     new = jnp.clip(nearest_int(div(num, dq[..., None])), lo, hi)
-    return jnp.where((dq != 0)[..., None], new, old)
+    return where((dq != 0)[..., None], new, old)
 
 
 def _affine_payload(xb, scales, mins, ls, lm, d, dmin, lsub, nmax):
@@ -243,10 +244,10 @@ def encode_q2_k(x, importance=None):
         max_scale, max_min = scan_max_gt(scales), scan_max_gt(mins)
         ls = nearest_int(mul(div(np.float32(15), max_scale)[..., None], scales))
         lm = nearest_int(mul(div(np.float32(15), max_min)[..., None], mins))
-        sbytes = jnp.where((max_scale > 0)[..., None], ls & 0xFF, 0)
-        sbytes = jnp.where((max_min > 0)[..., None], (sbytes | (lm << 4)) & 0xFF, sbytes)
-        d = jnp.where(max_scale > 0, div(max_scale, np.float32(15)), 0.0)
-        dmin = jnp.where(max_min > 0, div(max_min, np.float32(15)), 0.0)
+        sbytes = where((max_scale > 0)[..., None], ls & 0xFF, 0)
+        sbytes = where((max_min > 0)[..., None], (sbytes | (lm << 4)) & 0xFF, sbytes)
+        d = where(max_scale > 0, div(max_scale, np.float32(15)), 0.0)
+        dmin = where(max_min > 0, div(max_min, np.float32(15)), 0.0)
     else:
         w = _importance_weights(xs, importance, _superblock_sigma2(xb, 1))
         sw = ordered_sum(w, 0.0)
@@ -272,8 +273,8 @@ def encode_q3_k(x, importance=None):
         _, max_scale = first_absmax(scales)
         iscale = div(np.float32(-32), max_scale)
         l6 = jnp.clip(_i8(nearest_int(mul(iscale[..., None], scales))), -32, 31) + 32
-        sbytes = jnp.where((max_scale != 0)[..., None], _pack_q3_scales(l6), jnp.uint8(0))
-        d = jnp.where(max_scale != 0, div(np.float32(1), iscale), 0.0)
+        sbytes = where((max_scale != 0)[..., None], _pack_q3_scales(l6), jnp.uint8(0))
+        d = where(max_scale != 0, div(np.float32(1), iscale), 0.0)
     else:
         w = _importance_weights(xs, importance, _superblock_sigma2(xb, 2))
         sw = ordered_sum(w, 0.0)
@@ -296,8 +297,8 @@ def _encode_affine_k(x, importance, nmax, ref_search):
         w = av_x[..., None] + jnp.abs(xs)
         scales, mins, lsub = affine_search(xs, w, nmax, *ref_search, False)
         max_scale, max_min = scan_max_gt(scales), scan_max_gt(mins)
-        inv_scale = jnp.where(max_scale > 0, div(np.float32(63), max_scale), 0.0)
-        inv_min = jnp.where(max_min > 0, div(np.float32(63), max_min), 0.0)
+        inv_scale = where(max_scale > 0, div(np.float32(63), max_scale), 0.0)
+        inv_min = where(max_min > 0, div(np.float32(63), max_min), 0.0)
         ls = jnp.minimum(63, nearest_int(mul(inv_scale[..., None], scales)) & 0xFF)
         lm = jnp.minimum(63, nearest_int(mul(inv_min[..., None], mins)) & 0xFF)
         d, dmin = div(max_scale, np.float32(63)), div(max_min, np.float32(63))
@@ -339,7 +340,7 @@ def encode_q6_k(x, importance=None):
     codes = _flat(_requant(xs, dq, -32, 31, lsub - 32) + 32)
     ql, qh = _pack_q6(codes)
     payload = jnp.concatenate([ql, qh, _u8(sc), u16_le(dbits)], axis=-1)
-    payload = jnp.where((max_abs < GROUP_MAX_EPS)[..., None], jnp.uint8(0), payload)
+    payload = where((max_abs < GROUP_MAX_EPS)[..., None], jnp.uint8(0), payload)
     return unblock(payload)
 
 

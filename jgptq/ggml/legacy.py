@@ -37,6 +37,7 @@ from jgptq.ggml.common import (
     u32_le,
     unblock,
     unpack_nibbles,
+    where,
 )
 from jgptq.ggml.registry import register
 from jgptq.ggml.scale_search import affine_search, symmetric_search
@@ -80,14 +81,14 @@ def _nibbles(q):
 def _absmax_scale(xb, div_by):
     amax, mx = first_absmax(xb)
     d = div(mx, np.float32(div_by))
-    inv = jnp.where(d != 0, div(np.float32(1), d), 0.0)
+    inv = where(d != 0, div(np.float32(1), d), 0.0)
     return d, inv
 
 
 def _min_max_scale(xb, levels):
     lo, hi = scan_min_max(xb)
     d = div(hi - lo, np.float32(levels))
-    inv = jnp.where(d != 0, div(np.float32(1), d), 0.0)
+    inv = where(d != 0, div(np.float32(1), d), 0.0)
     return lo, d, inv
 
 
@@ -161,7 +162,7 @@ def encode_q8_0(x, importance=None):
     xb = blocks(jnp.asarray(x, F32), QK)
     amax = jnp.max(jnp.abs(xb), axis=-1)
     d = div(amax, np.float32(127))
-    inv = jnp.where(d != 0, div(np.float32(1), d), 0.0)
+    inv = where(d != 0, div(np.float32(1), d), 0.0)
     q = roundf(mul(xb, inv[..., None])).astype(jnp.int32)
     return unblock(jnp.concatenate([u16_le(f16_bits(d)), (q & 0xFF).astype(jnp.uint8)], axis=-1))
 

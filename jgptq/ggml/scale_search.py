@@ -28,6 +28,7 @@ from jgptq.ggml.common import (
     nearest_int,
     ordered_sum,
     scan_min_max,
+    where,
 )
 
 
@@ -55,7 +56,7 @@ def symmetric_search(x, nmax: int, w):
 
     iscale = div(np.float32(-nmax), mx)
     _, sumlx, suml2 = quantize(iscale)
-    scale = jnp.where(suml2 != 0, div(sumlx, suml2), 0.0)
+    scale = where(suml2 != 0, div(sumlx, suml2), 0.0)
     best = mul(scale, sumlx)
     tries = np.array([np.float32(nmax) + np.float32(np.float32(0.1) * np.float32(i))
                       for i in range(-9, 10) if i != 0], np.float32)
@@ -69,13 +70,13 @@ def symmetric_search(x, nmax: int, w):
         _, sumlx, suml2 = quantize(isc)
         take = (suml2 > 0) & (mul(sumlx, sumlx) > mul(best, suml2))
         new_scale = div(sumlx, suml2)
-        return (jnp.where(take, isc, ibest), jnp.where(take, new_scale, scale),
-                jnp.where(take, mul(new_scale, sumlx), best))
+        return (where(take, isc, ibest), where(take, new_scale, scale),
+                where(take, mul(new_scale, sumlx), best))
 
     iscale, scale, _ = lax.fori_loop(0, len(tries), body, (iscale, scale, best))
     lv = quantize(iscale)[0]
     zero = amax < GROUP_MAX_EPS
-    return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv + nmax)
+    return where(zero, 0.0, scale), where(_bcast(zero), 0, lv + nmax)
 
 
 def cubic_refine_search(x, nmax: int):
@@ -94,9 +95,9 @@ def cubic_refine_search(x, nmax: int):
 
     lv, sumlx, suml2 = _coordinate_descent(x, w, wx, lv, sumlx, suml2,
                                            lambda v: jnp.clip(v, -nmax, nmax - 1), positive=False)
-    scale = jnp.where(suml2 > 0, div(sumlx, suml2), 0.0)
+    scale = where(suml2 > 0, div(sumlx, suml2), 0.0)
     zero = amax < GROUP_MAX_EPS
-    return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv + nmax)
+    return where(zero, 0.0, scale), where(_bcast(zero), 0, lv + nmax)
 
 
 def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool):
@@ -112,7 +113,7 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
     lo, hi = scan_min_max(x)
     sum_w = ordered_sum(w)
     sum_x = ordered_sum(mul(w, x))
-    mn = jnp.where(lo > 0, 0.0, lo)
+    mn = where(lo > 0, 0.0, lo)
     flat = hi == mn
 
     def codes(iscale, mn):
@@ -147,18 +148,18 @@ def affine_search(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_m
         this_scale = div(mul(sum_w, sum_xl) - mul(sum_x, sum_l), d)
         this_min = div(mul(sum_l2, sum_x) - mul(sum_l, sum_xl), d)
         clamp = this_min > 0
-        this_min = jnp.where(clamp, 0.0, this_min)
-        this_scale = jnp.where(clamp, div(sum_xl, sum_l2), this_scale)
+        this_min = where(clamp, 0.0, this_min)
+        this_scale = where(clamp, div(sum_xl, sum_l2), this_scale)
         cur = error(this_scale, this_min, la)
         take = (d > 0) & (cur < best)
-        return ((jnp.where(take, isc, ibest), jnp.where(take, mn_cur, mbest)), jnp.where(take, cur, best),
-                jnp.where(take, this_scale, scale), jnp.where(take, this_min, mn_cur))
+        return ((where(take, isc, ibest), where(take, mn_cur, mbest)), where(take, cur, best),
+                where(take, this_scale, scale), where(take, this_min, mn_cur))
 
     made = (iscale, mn)
     if nstep >= 1:
         made, best, scale, mn = lax.fori_loop(0, nstep + 1, body, (made, best, scale, mn))
     lv = codes(*made)
-    return (jnp.where(flat, 0.0, scale), -mn, jnp.where(_bcast(flat), 0, lv))
+    return (where(flat, 0.0, scale), -mn, where(_bcast(flat), 0, lv))
 
 
 def positive_search(x, w, nmax: int):
@@ -169,7 +170,7 @@ def positive_search(x, w, nmax: int):
     n = x.shape[-1]
     mx = jnp.zeros(x.shape[:-1], F32)
     for i in range(n):
-        mx = jnp.where(mx > x[..., i], mx, x[..., i])
+        mx = where(mx > x[..., i], mx, x[..., i])
     iscale = div(np.float32(nmax), mx)
     l0 = nearest_int(mul(_bcast(iscale), x)) & 0xFF
     scale = div(np.float32(1), iscale)
@@ -189,7 +190,7 @@ def positive_search(x, w, nmax: int):
         lv = jnp.minimum(nmax, nearest_int(mul(_bcast(isc), x)))
         cur = mse(sc, lv)
         take = cur < best
-        return jnp.where(take, cur, best), jnp.where(take, isc, iscale)
+        return where(take, cur, best), where(take, isc, iscale)
 
     _, iscale = lax.fori_loop(0, len(tries), body, (best, iscale))
     lv = jnp.minimum(nmax, nearest_int(mul(_bcast(iscale), x)))
@@ -201,9 +202,9 @@ def positive_search(x, w, nmax: int):
 
     lv, sumlx, suml2 = _coordinate_descent(x, w, wx, lv, sumlx, suml2,
                                            lambda v: jnp.minimum(nmax, v), positive=True)
-    scale = jnp.where(suml2 > 0, div(sumlx, suml2), 0.0)
+    scale = where(suml2 > 0, div(sumlx, suml2), 0.0)
     zero = mx < GROUP_MAX_EPS
-    return jnp.where(zero, 0.0, scale), jnp.where(_bcast(zero), 0, lv)
+    return where(zero, 0.0, scale), where(_bcast(zero), 0, lv)
 
 
 def _coordinate_descent(x, w, wx, lv, sumlx, suml2, clamp, positive: bool):
@@ -233,8 +234,8 @@ def _coordinate_descent(x, w, wx, lv, sumlx, suml2, clamp, positive: bool):
         take = take & ((sl2 > 0) if positive else (sl2b > 0))
         if positive:
             new_l = new_l & 0xFF
-        col = jnp.where(take, new_l, old)
+        col = where(take, new_l, old)
         lv = lax.dynamic_update_index_in_dim(lv, col, i, axis=-1)
-        return lv, jnp.where(take, slx2, sumlx), jnp.where(take, sl2b, suml2)
+        return lv, where(take, slx2, sumlx), where(take, sl2b, suml2)
 
     return lax.fori_loop(0, 5 * n, step, (lv, sumlx, suml2))
