@@ -89,6 +89,9 @@ def build_config(args, dtype: str) -> PipelineConfig:
     from interop.export import check_format
 
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
+    if getattr(args, "gptq_names", "checkpoint") != "checkpoint" and args.export != "gptq":
+        raise CommandError(f"--gptq-names {args.gptq_names} is for --export gptq (GPTQModel.load); {args.export} "
+                           f"checkpoints keep the names their loaders read")
     rules = []
     for text in args.tensor_format or ():
         pattern, sep, name = text.rpartition("=")
@@ -280,7 +283,8 @@ def run_quantize(args) -> int:
             with writing(files["out"]):
                 export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
                              source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard,
-                             **({"float_embeddings": True} if args.export == "gguf" and args.float_embeddings else {}))
+                             **({"float_embeddings": True} if args.export == "gguf" and args.float_embeddings else {}),
+                             **({"names": args.gptq_names} if args.export == "gptq" else {}))
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on
         raise CommandError(failure_message(exc, files["work"])) from exc
     if shortfall:

@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from interop import models
 from jgptq.export import export_compressed_tensors, export_gptq_v1
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
 
@@ -95,12 +96,13 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def checkpoint_state(model, result=None) -> dict:
+def checkpoint_state(model, result=None, *, revert: bool = True) -> dict:
     """The tensors ``save_pretrained`` writes for ``model``, under checkpoint names, without the quantized ones.
 
     Args:
       model: a transformers model.
       result: an :class:`interop.report.QuantizeResult`; its quantized parameters are left out.
+      revert: False keeps the model's own parameter names (``names="modules"``) instead of the checkpoint names.
     Returns:
       checkpoint key -> torch tensor (on the model's devices; tied weights once; fused experts per expert).
     """
@@ -122,12 +124,13 @@ def checkpoint_state(model, result=None) -> dict:
             if ptr in seen:
                 del state[key]
             seen.add(ptr)
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
+    if revert:
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
 
-        state = revert_weight_conversion(model, state)
-    except ImportError:
-        pass
+            state = revert_weight_conversion(model, state)
+        except ImportError:
+            pass
     return {k: v for k, v in state.items() if k not in quantized}
 
 
@@ -198,7 +201,55 @@ def _named_like_modules(param: str, keys) -> bool:
     return all(k.startswith(prefix) and k.endswith(projections) for k in keys)
 
 
-def loader_warnings(model, result, kind: str) -> list:
+NAMES = ("checkpoint", "modules")
+
+
+def module_keys(model, result) -> dict:
+    """Checkpoint key -> module key of every quantized weight of ``result``, for ``names="modules"``.
+
+    A module key is the weight's name among the model's modules as a defusing loader builds them: a 2-D weight
+    keeps its parameter name; each expert of a fused 3-D parameter ``<experts>.gate_up_proj`` becomes
+    ``<experts>.<e>.gate_proj.weight`` (the first half of its rows) and ``<experts>.<e>.up_proj.weight`` (the
+    second half), and of ``<experts>.down_proj`` ``<experts>.<e>.down_proj.weight``. GPTQModel looks experts up by
+    these names; for Qwen3-MoE and OLMoE they equal the checkpoint names, for Mixtral they do not
+    (``block_sparse_moe.experts.<e>.w1``).
+
+    Raises:
+      ExportError: a parameter whose records do not map onto whole modules.
+    """
+    keys_of = dict(getattr(result, "param_keys", None) or {k: [k] for k in result.weights})
+    spec, out = {}, {}
+    for param, keys in keys_of.items():
+        tensor = model.get_parameter(param)
+        if tensor.ndim == 2:
+            if len(keys) != 1:
+                raise ExportError(f"{param}: its rows were written as {len(keys)} checkpoint tensors "
+                                  f"({sorted(keys)[:2]}...); names='modules' needs one record per module")
+            out[keys[0]] = param
+            continue
+        module = model.get_submodule(param.rpartition(".")[0])
+        transposed = models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed
+        rows = tensor.shape[-1] if transposed else tensor.shape[-2]
+        spec[param] = (tensor.shape[0], rows, transposed)
+    places = models.checkpoint_names(model, spec) if spec else {}
+    for param, entries in places.items():
+        experts_path, _, fused = param.rpartition(".")
+        rows = spec[param][1]
+        for key, expert, idx in entries:
+            idx = idx.tolist()
+            halves = {"gate_proj": list(range(rows // 2)), "up_proj": list(range(rows // 2, rows))}
+            if fused == "gate_up_proj":
+                proj = next((name for name, want in halves.items() if idx == want), None)
+            else:
+                proj = fused if idx == list(range(rows)) else None
+            if expert is None or proj is None:
+                raise ExportError(f"{param}: checkpoint tensor {key} holds rows that are not one expert's whole "
+                                  f"projection; names='modules' cannot name it")
+            out[key] = f"{experts_path}.{expert}.{proj}.weight"
+    return out
+
+
+def loader_warnings(model, result, kind: str, names: str = "checkpoint") -> list:
     """What the loaders we name would get wrong with this export, as one message each (empty: none).
 
     - GPTQ v1 of a model whose experts transformers fuses (3-D ``gate_up_proj`` / ``down_proj``): transformers'
@@ -216,11 +267,16 @@ def loader_warnings(model, result, kind: str) -> list:
         param = min(fused)
         keys = fused[param]
         loaders = "GPTQModel.load and vLLM"
-        if not all(_named_like_modules(p, k) for p, k in fused.items()):
+        like_modules = all(_named_like_modules(p, k) for p, k in fused.items())
+        if names == "modules" and not like_modules:
+            loaders = (f"GPTQModel.load (it holds the experts under module names, {param.rpartition('.')[0]}.0."
+                       f"{_PROJECTION.get(param.rpartition('.')[2], 'gate_proj')}; vLLM reads this family under "
+                       f"its checkpoint names, names='checkpoint', {sorted(keys)[0][: -len('.weight')]})")
+        elif not like_modules:
             experts, _, fused_name = param.rpartition(".")
             wanted = f"{experts}.0.{_PROJECTION.get(fused_name, 'gate_proj')}"
             loaders = (f"vLLM (GPTQModel.load 7.7 refuses it: it looks the experts up as {wanted}, not as "
-                       f"{sorted(keys)[0][: -len('.weight')]})")
+                       f"{sorted(keys)[0][: -len('.weight')]}; export with names='modules' for it)")
         messages.append(
             f"{name} keeps its experts fused ({param}): transformers' GPTQ loader reads only nn.Linear modules and "
             f"would leave these experts randomly initialized, without an error. This GPTQ v1 checkpoint loads with "
@@ -235,7 +291,8 @@ def loader_warnings(model, result, kind: str) -> list:
 
 
 def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, tokenizer=None,
-                 source_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, **options) -> Path:
+                 source_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, names: str = "checkpoint",
+                 **options) -> Path:
     """Writes ``model`` quantized by ``result`` as a checkpoint folder (or GGUF file) of ``kind``.
 
     Args:
@@ -247,6 +304,9 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
       tokenizer: its files are saved into the folder (unless ``source_dir`` has tokenizer files).
       source_dir: the model's folder: its tokenizer files and ``generation_config.json`` are copied as they are.
       max_shard_bytes: most tensor bytes per safetensors file.
+      names: ``"checkpoint"`` (default): tensors under the names ``save_pretrained`` writes, which transformers
+        and vLLM read; ``"modules"`` (``"gptq"`` only): under the model's module names with fused experts split
+        per expert (:func:`module_keys`), which GPTQModel.load needs where the two differ (Mixtral).
       **options: passed on to the exporter (e.g. ``group_actorder=True`` for compressed-tensors).
     Returns:
       The output path.
@@ -260,6 +320,11 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
         check_format(kind, quant)
     elif kind not in KINDS:
         raise ExportError(f"unknown export kind {kind!r}; choose one of {KINDS}")
+    if names not in NAMES:
+        raise ExportError(f"unknown names {names!r}; choose one of {NAMES}")
+    if names != "checkpoint" and kind != "gptq":
+        raise ExportError(f"names={names!r} is for 'gptq' exports (GPTQModel.load); {kind} checkpoints keep the "
+                          f"checkpoint names their loaders read")
     if kind == "gguf":
         if not gguf_available():
             check_format(kind, None)
@@ -279,16 +344,20 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
             raise ExportError(f"{key}: {type(model).__name__} checkpoints keep every expert in one fused tensor "
                               f"{rec.shape}; the {kind} format holds 2-D per-module weights only, so this model "
                               f"cannot be exported to it")
-    for message in loader_warnings(model, result, kind):
+    for message in loader_warnings(model, result, kind, names):
         warnings.warn(message, stacklevel=2)
-    state = checkpoint_state(model, result)
+    weights = result.weights
+    if names == "modules":
+        renamed = module_keys(model, result)
+        weights = {renamed[k]: rec for k, rec in weights.items()}
+    state = checkpoint_state(model, result, revert=names == "checkpoint")
     tensors = ((k, _numpy(v)) for k, v in state.items())
     model_config = model_config_dict(model)
     scratch = Path(tempfile.mkdtemp(prefix="jgptq-export-"))
     try:
         extra = _extra_files(model, tokenizer, source_dir, scratch)
         if kind == "gptq":
-            export_gptq_v1(out, result.weights, tensors=tensors, model_config=model_config, quant_config=quant,
+            export_gptq_v1(out, weights, tensors=tensors, model_config=model_config, quant_config=quant,
                            extra_files=extra, max_shard_bytes=max_shard_bytes, overwrite=overwrite, **options)
         else:
             export_compressed_tensors(out, result.weights, tensors=tensors, model_config=model_config,

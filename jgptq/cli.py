@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--float-embeddings", action="store_true",
                    help="--export gguf: keep token_embd and output in floating point (default: the types llama.cpp "
                         "gives them for the run's mix or format, e.g. q4_k and q6_k for q4_k_m)")
+    q.add_argument("--gptq-names", choices=("checkpoint", "modules"), default="checkpoint",
+                   help="--export gptq: tensor names as save_pretrained writes them, which transformers and vLLM read "
+                        "(default), or the model's module names with experts split per expert, which GPTQModel.load "
+                        "needs for Mixtral")
     _quant_options(q)
     c = q.add_argument_group("calibration")
     calibration, min_tokens = default(MoEConfig, "calibration"), default(MoEConfig, "min_tokens")

@@ -256,3 +256,22 @@ def test_progress_on_a_terminal_names_the_stage(monkeypatch):
     text = screen.getvalue()
     assert "layer 1 solve" in text and "layer 2 solve" in text and "3/3" in text
     assert "jgptq layers: 2/3 (layer" not in text   # the bar, not log lines
+
+
+def test_gptq_names_modules_reaches_the_exporter(model_dir, tmp_path, monkeypatch):
+    from interop import export
+
+    calls = []
+    original = export.module_keys
+
+    def recording(model, result):
+        calls.append(type(model).__name__)
+        return original(model, result)
+
+    monkeypatch.setattr(export, "module_keys", recording)
+    out = tmp_path / "m"
+    args = quantize_args(model_dir, out, "--export", "gptq", "--gptq-names", "modules", "--method", "rtn")
+    assert main([str(a) for a in args]) == 0
+    assert calls == ["Qwen3MoeForCausalLM"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.3.up_proj.qweight" in index     # Qwen3-MoE: module and checkpoint names agree

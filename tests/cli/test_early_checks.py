@@ -44,6 +44,12 @@ def test_gguf_export_without_a_ggml_format_is_refused_up_front(unloadable, capsy
         "jgptq: error: GGUF export needs a GGML format, not 'int'")
 
 
+def test_gptq_names_on_another_export_is_refused_up_front(unloadable, capsys):
+    assert refused(unloadable, capsys, "--gptq-names", "modules") == (
+        "jgptq: error: --gptq-names modules is for --export gptq (GPTQModel.load); compressed-tensors checkpoints "
+        "keep the names their loaders read")
+
+
 def test_export_format_rule_is_one_function_the_library_shares():
     from interop.export import ExportError, check_format
     from jgptq.config import QuantConfig

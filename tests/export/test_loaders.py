@@ -28,8 +28,15 @@ MIXTRAL_GPTQ = ("MixtralForCausalLM keeps its experts fused (model.layers.0.mlp.
                 "GPTQ loader reads only nn.Linear modules and would leave these experts randomly initialized, without "
                 "an error. This GPTQ v1 checkpoint loads with vLLM (GPTQModel.load 7.7 refuses it: it looks the "
                 "experts up as model.layers.0.mlp.experts.0.down_proj, not as "
-                "model.layers.0.block_sparse_moe.experts.0.w2); for transformers, export 'compressed-tensors' with "
-                "symmetric grids")
+                "model.layers.0.block_sparse_moe.experts.0.w2; export with names='modules' for it); for "
+                "transformers, export 'compressed-tensors' with symmetric grids")
+MIXTRAL_GPTQ_MODULES = (
+    "MixtralForCausalLM keeps its experts fused (model.layers.0.mlp.experts.down_proj): transformers' GPTQ loader "
+    "reads only nn.Linear modules and would leave these experts randomly initialized, without an error. This GPTQ "
+    "v1 checkpoint loads with GPTQModel.load (it holds the experts under module names, "
+    "model.layers.0.mlp.experts.0.down_proj; vLLM reads this family under its checkpoint names, "
+    "names='checkpoint', model.layers.0.block_sparse_moe.experts.0.w2); for transformers, export "
+    "'compressed-tensors' with symmetric grids")
 ASYM_CT = ("asymmetric grids: transformers loads this compressed-tensors checkpoint only with "
            "quantization_config=CompressedTensorsConfig(dequantize=True) (without it, loading fails on the packed "
            "zero points){}; symmetric grids (sym=True) load either way")
@@ -44,7 +51,7 @@ def run(family, **opts):
     return _RUNS[key]
 
 
-def export(family, kind, out, **opts):
+def export(family, kind, out, names="checkpoint", **opts):
     """Exports a run; returns (float model, quantized model, the warnings' texts)."""
     from interop.demo import byte_tokenizer
 
@@ -53,7 +60,7 @@ def export(family, kind, out, **opts):
     tokenizer.pad_token, tokenizer.eos_token = tokenizer.convert_ids_to_tokens([0, 1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        export_model(model, result, kind, out, tokenizer=tokenizer)
+        export_model(model, result, kind, out, tokenizer=tokenizer, names=names)
     return reference, model, [str(w.message) for w in caught if w.category is UserWarning]
 
 
@@ -120,11 +127,32 @@ def test_transformers_gptq_loader_reads_dense_models_and_not_fused_experts(tmp_p
         assert (kl < _kl_budget(reference, model)) is holds_the_weights, (family, kl)
 
 
-def test_gptqmodel_load_reads_qwen3_moe_and_dense_and_refuses_mixtral_names(tmp_path):
+def test_mixtral_gptq_export_under_module_names_warns_for_vllm_and_names_the_experts_per_module(tmp_path):
+    from safetensors import safe_open
+
+    assert export("mixtral", "gptq", tmp_path / "m", names="modules", method="rtn")[2] == [MIXTRAL_GPTQ_MODULES]
+    keys = set()
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        with safe_open(f, "np") as st:
+            keys.update(st.keys())
+    assert {"model.layers.0.mlp.experts.3.gate_proj.qweight", "model.layers.0.mlp.experts.3.up_proj.qweight",
+            "model.layers.0.mlp.experts.3.down_proj.qweight", "model.layers.0.mlp.gate.weight"} <= keys
+    assert not any("block_sparse_moe" in k or ".w1." in k for k in keys)
+
+
+def test_module_names_are_refused_for_other_exports(tmp_path):
+    from interop.export import ExportError
+
+    with pytest.raises(ExportError, match="names='modules' is for 'gptq' exports"):
+        export("mixtral", "compressed-tensors", tmp_path / "m", names="modules", method="rtn")
+
+
+def test_gptqmodel_load_reads_qwen3_moe_dense_and_mixtral_under_module_names(tmp_path):
     gptqmodel = pytest.importorskip("gptqmodel")
     # every export first: GPTQModel.load patches transformers' MoE classes for the rest of the process
     runs = {family: export(family, "gptq", tmp_path / family)[:2] for family in ("llama", "qwen3_moe", "mixtral")}
-    for family in ("llama", "qwen3_moe"):
+    runs["mixtral_modules"] = export("mixtral", "gptq", tmp_path / "mixtral_modules", names="modules")[:2]
+    for family in ("llama", "qwen3_moe", "mixtral_modules"):
         reference, model = runs[family]
         loaded = gptqmodel.GPTQModel.load(str(tmp_path / family), device="cpu", dtype=torch.float32)
         kl = next_token_kl(model, loaded.model.eval(), IDS)
