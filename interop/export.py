@@ -292,7 +292,7 @@ def loader_warnings(model, result, kind: str, names: str = "checkpoint") -> list
 
 def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, tokenizer=None,
                  source_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, names: str = "checkpoint",
-                 **options) -> Path:
+                 verify: bool = True, **options) -> Path:
     """Writes ``model`` quantized by ``result`` as a checkpoint folder (or GGUF file) of ``kind``.
 
     Args:
@@ -307,13 +307,17 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
       names: ``"checkpoint"`` (default): tensors under the names ``save_pretrained`` writes, which transformers
         and vLLM read; ``"modules"`` (``"gptq"`` only): under the model's module names with fused experts split
         per expert (:func:`module_keys`), which GPTQModel.load needs where the two differ (Mixtral).
+      verify: read a GPTQ or compressed-tensors checkpoint back once written and decode every quantized module
+        from its stored tensors alone (:func:`interop.export_check.check_written`); any module that does not
+        decode exactly to the solver's weight raises. A GGUF file is read back with the ``gguf`` package before it
+        is put in place, every tensor compared byte for byte with the records' blocks (``write_gguf``).
       **options: passed on to the exporter (e.g. ``group_actorder=True`` for compressed-tensors).
     Returns:
       The output path.
     Raises:
       ExportError: the result holds something the format cannot (see :func:`check_format`; fused 3-D expert
-        tensors that a checkpoint of this family keeps fused); FileExistsError: a non-empty output without
-        ``overwrite``.
+        tensors that a checkpoint of this family keeps fused); a written checkpoint that does not read back to
+        the solver's weights (``verify``); FileExistsError: a non-empty output without ``overwrite``.
     """
     quant = result.config.quant if getattr(result, "config", None) is not None else None
     if quant is not None:
@@ -335,7 +339,7 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
         for name, value in (("tokenizer", tokenizer), ("source_dir", source_dir)):
             if value is not None and (anything or name in accepted):
                 options[name] = value
-        return export_gguf(model, result, out_dir, overwrite=overwrite, **options)
+        return export_gguf(model, result, out_dir, overwrite=overwrite, verify=verify, **options)
     out = check_output_dir(out_dir, overwrite)
     if not result.weights:
         raise ExportError("the result holds no quantized weights")
@@ -365,4 +369,12 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
                                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, **options)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if verify:
+        from interop.export_check import check_written
+
+        problems = check_written(out, kind, weights)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ExportError(f"{out}: the written {kind} checkpoint does not decode to the solver's weights: "
+                              f"{'; '.join(problems[:5])}{more}. The folder is left as written, for inspection")
     return Path(os.fspath(out))

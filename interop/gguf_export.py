@@ -201,7 +201,7 @@ def _output_path(out) -> Path:
 
 def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False, tokenizer=None,
                 float_type: str = "f16", file_type: int | None = None, name: str | None = None,
-                float_embeddings: bool = False) -> Path:
+                float_embeddings: bool = False, verify: bool = True) -> Path:
     """Writes ``model`` (quantized by ``result``, or float) as a GGUF file llama.cpp loads.
 
     Args:
@@ -228,6 +228,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
         (``result.config`` with a GGML format) are encoded as llama.cpp's quantizer does for the run's mix or format
         (:func:`jgptq.plan.edge_formats`: q4_k_m -> token_embd q4_k, output q6_k): a plain encode, with the run's
         importance statistic of the head where it has one; each is added to ``result.report.records``.
+      verify: read the file back before it is put in place and compare every tensor's bytes
+        (:func:`jgptq.export.write_gguf`).
     Returns:
       The path written.
     Raises:
@@ -294,7 +296,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
     meta.update(vocab)
     meta.update(_allocation_metadata(result))
-    return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite)
+    return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite, verify=verify)
 
 
 def _edge_records(model, result, plan: dict, state: dict, records: dict, formats: Counter) -> dict:

@@ -155,7 +155,7 @@ def _value_type(key: str, value) -> tuple:
 
 
 def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[GGUFTensor], *,
-               overwrite: bool = False, alignment: int | None = None) -> Path:
+               overwrite: bool = False, alignment: int | None = None, verify: bool = True) -> Path:
     """Writes a GGUF v3 file, atomically.
 
     Args:
@@ -168,11 +168,15 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
       tensors: :class:`GGUFTensor` entries in file order (names unique).
       overwrite: replace an existing file.
       alignment: ``general.alignment`` (default 32).
+      verify: read the file back with the ``gguf`` package's reader before it takes ``path``'s place, and compare
+        every tensor's name, type and bytes with what was given (a short or corrupt write raises; the file is
+        not put in place).
     Returns:
       The path written.
     Raises:
       FileExistsError: ``path`` exists and ``overwrite`` is False. ValueError: a bad tensor or metadata value,
       a duplicate tensor name, or ``general.architecture`` in ``metadata`` that differs from ``arch``.
+      OSError: the file read back does not hold the tensors given (``verify``).
     """
     path = Path(os.fspath(path))
     if path.exists() and not overwrite:
@@ -216,6 +220,8 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
         for t in tensors:
             writer.write_tensor_data(_file_bytes(t))
         writer.close()
+        if verify:
+            _check_written(tmp, path, tensors)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would have made it (mkstemp makes 0600)
@@ -225,6 +231,34 @@ def write_gguf(path, arch: str, metadata: Mapping[str, Any], tensors: Iterable[G
             os.unlink(tmp)
         raise
     return path
+
+
+def _check_written(tmp: str, path: Path, tensors: list) -> None:
+    """Raises OSError unless the file ``tmp`` (to become ``path``) holds every tensor with its type and bytes."""
+    try:
+        reader = gguf.GGUFReader(tmp)
+        found = {t.name: t for t in reader.tensors}
+    except Exception as exc:  # a short file, a header that does not parse
+        raise OSError(f"{path}: the GGUF file written cannot be read back ({type(exc).__name__}: {exc}); "
+                      f"nothing was put in place") from exc
+    problems = []
+    for t in tensors:
+        got = found.get(t.name)
+        if got is None:
+            problems.append(f"{t.name} is missing")
+            continue
+        want_type = (gguf.GGMLQuantizationType.F32 if t.type == "f32" else gguf.GGMLQuantizationType.F16
+                     if t.type == "f16" else ggml_type(t.type))
+        want = _file_bytes(t).reshape(-1).view(np.uint8)
+        data = np.asarray(got.data).reshape(-1).view(np.uint8)
+        if got.tensor_type != want_type:
+            problems.append(f"{t.name} has type {got.tensor_type.name}, not {want_type.name}")
+        elif data.size != want.size or not np.array_equal(data, want):
+            problems.append(f"{t.name} holds other bytes than were written")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise OSError(f"{path}: the GGUF file read back differs from what was written: {'; '.join(problems[:5])}"
+                      f"{more}; nothing was put in place")
 
 
 def _add_info(writer: gguf.GGUFWriter, t: GGUFTensor):

@@ -109,7 +109,7 @@ def test_loaders_are_called_when_written(tmp_path, rng):
     tensors = [GGUFTensor("w", load(w), "f16", shape=(4, 64)), GGUFTensor("q", load(blocks), "q8_0", shape=(4, 64))]
     assert calls == []
     _, t = _reader(write_gguf(tmp_path / "l.gguf", "llama", {}, tensors))
-    assert calls == [(4, 64), (4, 2, 34)]
+    assert calls == [(4, 64), (4, 2, 34)] * 2      # once to write, once to compare with the file read back
     assert np.array_equal(np.asarray(t["w"].data).reshape(4, 64), w.astype(np.float16))
     assert np.array_equal(np.asarray(t["q"].data).reshape(-1), blocks.reshape(-1))
     with pytest.raises(ValueError, match="needs the tensor's shape"):
@@ -119,3 +119,30 @@ def test_loaders_are_called_when_written(tmp_path, rng):
     with pytest.raises(ValueError, match="differs from its declared shape"):
         write_gguf(tmp_path / "m.gguf", "llama", {}, [GGUFTensor("q", load(blocks), "q8_0", shape=(4, 96))])
     assert not (tmp_path / "m.gguf").exists() and sorted(os.listdir(tmp_path)) == ["l.gguf"]
+
+
+def test_a_file_that_reads_back_differently_is_not_put_in_place(tmp_path, monkeypatch):
+    import jgptq.export.gguf as writer_module
+
+    blocks = np.zeros((2, 1, 18), np.uint8)             # two rows of one q4_0 block
+    blocks[1, 0, 2] = 7
+    tensors = [GGUFTensor("blk.0.attn_q.weight", blocks, "q4_0", (2, 32))]
+    original = writer_module._file_bytes
+    calls = []
+
+    def flipped_on_read_back(t):     # the second call is the check's: pretend the disk returned other bytes
+        calls.append(t.name)
+        data = original(t).copy()
+        if len(calls) > 1:
+            data.reshape(-1)[5] ^= 1
+        return data
+
+    monkeypatch.setattr(writer_module, "_file_bytes", flipped_on_read_back)
+    path = tmp_path / "m.gguf"
+    with pytest.raises(OSError) as info:
+        write_gguf(path, "llama", {}, tensors)
+    assert str(info.value) == (f"{path}: the GGUF file read back differs from what was written: blk.0.attn_q.weight "
+                               f"holds other bytes than were written; nothing was put in place")
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    write_gguf(path, "llama", {}, tensors, verify=False)       # the check can be turned off
+    assert path.exists()
