@@ -117,7 +117,8 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
       devices: candidate devices (global devices in a multi-process run; every process passes the same list).
       batch_size: None (largest that fits, up to the platform default) or an upper bound.
       memory_limit, reserve: see :func:`memory.free_bytes`.
-      gather_bytes: bytes the gathered results will take on a device (reserved there up front).
+      gather_bytes: bytes the gathered results will take on a device (reserved there up front), or a function
+        that gives them, called once the first program is compiled (its outputs give their size without a trace).
     """
     from jgptq.parallel import multihost
 
@@ -125,10 +126,6 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
         raise ValueError(f"no experts to solve (num_experts={num_experts})")
     devices = list(devices)
     free = multihost.free_bytes_everywhere(devices, memory_limit, reserve)
-    for d, b in (gather_bytes or {}).items():
-        if d in free and free[d] < memory.UNLIMITED:
-            free[d] = max(0, free[d] - b)
-    io = io_bytes(spec)
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"devices of one platform only, got {sorted(platforms)}")
@@ -146,6 +143,10 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     per_dev0 = _round_up(target, k0)
     used0 = tuple(devices[:-(-num_experts // per_dev0)])
     peak0 = program_peak(spec, expert_mesh(used0), per_dev0, k0)
+    for d, b in ((gather_bytes() if callable(gather_bytes) else gather_bytes) or {}).items():
+        if d in free and free[d] < memory.UNLIMITED:
+            free[d] = max(0, free[d] - b)
+    io = io_bytes(spec)
     if all(peak0 <= free[d] for d in used0):
         if k0 > 1 and len(used0) > 1 and used0[0].platform == "cpu":
             log.warning("a lax.map batch of %d on several CPU devices runs batched LAPACK calls inside shard_map, "
@@ -324,7 +325,7 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
     if plan_ is None:
         devices = list(jax.devices() if devices is None else devices)
         plan_ = plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                     gather_bytes=gathered_bytes(spec, num, gather_to))
+                     gather_bytes=functools.partial(gathered_bytes, spec, num, gather_to))
     elif plan_.num_experts != num:
         raise ValueError(f"the plan is for {plan_.num_experts} experts, got {num}")
     return run(spec, args, plan_, gather_to)

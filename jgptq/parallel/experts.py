@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Optional, Sequence
 
 import jax
@@ -68,7 +69,7 @@ def plan_solve(weights, hessians, config: QuantConfig = QuantConfig(), *, import
     spec, num = engine.make_spec(_Solver(config, codec), args, _axes(hessians, importance))
     devices = list(jax.devices() if devices is None else devices)
     return engine.plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                       gather_bytes=engine.gathered_bytes(spec, num, gather_to))
+                       gather_bytes=functools.partial(engine.gathered_bytes, spec, num, gather_to))
 
 
 def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, importance=None, devices=None,

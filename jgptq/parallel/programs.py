@@ -91,8 +91,10 @@ def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
     program = jax.jit(jax.shard_map(_per_device(spec.fn, spec.in_axes, k), mesh=mesh, in_specs=tuple(in_specs),
                                     out_specs=P(AXIS), check_vma=False))
     compiled = program.lower(*structs).compile(compiler_options=compiler_options(mesh.devices.flat[0].platform))
+    out = sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(compiled.out_info))
     with _lock:
         _compiled[key] = compiled
+        _io_compiled.setdefault(spec, _input_bytes(spec) + out // (n * per_device))
     return compiled
 
 
@@ -110,15 +112,28 @@ def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
     return hit
 
 
-@functools.lru_cache(maxsize=256)
+_io_compiled: dict = {}   # spec -> io bytes read from a compiled program's outputs
+
+
+def _input_bytes(spec: _Spec) -> int:
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
+               if a is not None and ax == 0)
+
+
 def io_bytes(spec: _Spec) -> int:
     """Input + output bytes of one expert of ``spec`` (mapped inputs only; shared inputs are in every program's
-    peak)."""
-    inp = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
-              if a is not None and ax == 0)
+    peak). Read from a program of ``spec`` compiled earlier when there is one; otherwise ``fn`` is traced for its
+    output shapes (a GGML solve's trace takes seconds, so the planner compiles first where it can)."""
+    with _lock:
+        hit = _io_compiled.get(spec)
+    return hit if hit is not None else _io_traced(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _io_traced(spec: _Spec) -> int:
     args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
     out = jax.eval_shape(spec.fn, *args)
-    return inp + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
+    return _input_bytes(spec) + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
 
 
 def is_sequence(x) -> bool:
