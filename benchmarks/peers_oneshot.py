@@ -118,12 +118,16 @@ def main(argv=None):
     originals = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
     quant = QuantConfig(bits=4, group_size=s["group"], block_size=s["group"], sym=True)
-    sync()
-    t0 = time.perf_counter()
-    result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"], hessian_dtype="bfloat16",
-                                progress=False, offload="cpu")
-    sync()
-    jg_s = time.perf_counter() - t0
+
+    def quantize():  # (seconds, result) of one quantize_moe of the model as it stands
+        sync()
+        t0 = time.perf_counter()
+        result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"],
+                                    hessian_dtype="bfloat16", progress=False, offload="cpu")
+        sync()
+        return time.perf_counter() - t0, result
+
+    jg_s, result = quantize()
     stages = result.report.stage_totals()
     per_layer = [sum(result.report.timings.get(i, {}).values()) for i in range(layers)]
     out["jgptq"] = {"total_s": jg_s, "seconds_per_layer": jg_s / layers, "stage_s": stages,
@@ -137,12 +141,7 @@ def main(argv=None):
 
     # A second run in the same process: every program compiled, as for each further model a process quantizes.
     model.load_state_dict(originals)
-    sync()
-    t0 = time.perf_counter()
-    result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"], hessian_dtype="bfloat16",
-                                progress=False, offload="cpu")
-    sync()
-    again_s = time.perf_counter() - t0
+    again_s, result = quantize()
     out["jgptq_second_run"] = {"total_s": again_s, "seconds_per_layer": again_s / layers,
                                "stage_s": result.report.stage_totals()}
     del result

@@ -89,7 +89,7 @@ def build_config(args, dtype: str) -> PipelineConfig:
     from interop.export import check_format
 
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
-    if getattr(args, "gptq_names", "checkpoint") != "checkpoint" and args.export != "gptq":
+    if args.gptq_names != "checkpoint" and args.export != "gptq":
         raise CommandError(f"--gptq-names {args.gptq_names} is for --export gptq (GPTQModel.load); {args.export} "
                            f"checkpoints keep the names their loaders read")
     rules = []

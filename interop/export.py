@@ -227,17 +227,14 @@ def module_keys(model, result) -> dict:
                                   f"({sorted(keys)[:2]}...); names='modules' needs one record per module")
             out[keys[0]] = param
             continue
-        module = model.get_submodule(param.rpartition(".")[0])
-        transposed = models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed
-        rows = tensor.shape[-1] if transposed else tensor.shape[-2]
-        spec[param] = (tensor.shape[0], rows, transposed)
+        spec[param] = models.name_spec(model, param)
     places = models.checkpoint_names(model, spec) if spec else {}
     for param, entries in places.items():
         experts_path, _, fused = param.rpartition(".")
         rows = spec[param][1]
+        halves = {"gate_proj": list(range(rows // 2)), "up_proj": list(range(rows // 2, rows))}
         for key, expert, idx in entries:
             idx = idx.tolist()
-            halves = {"gate_proj": list(range(rows // 2)), "up_proj": list(range(rows // 2, rows))}
             if fused == "gate_up_proj":
                 proj = next((name for name, want in halves.items() if idx == want), None)
             else:

@@ -117,13 +117,7 @@ def _assemble(model, result, params: dict) -> dict:
     if unused:
         raise ValueError(f"result.weights keys {sorted(unused)[:4]} belong to no parameter in result.param_keys")
     if indirect:
-        spec = {}
-        for param in indirect:
-            full = params[param]
-            module = model.get_submodule(param.rpartition(".")[0])
-            transposed = models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed
-            spec[param] = (full[0] if len(full) == 3 else None, full[-2], transposed)
-        places = models.checkpoint_names(model, spec)
+        places = models.checkpoint_names(model, {param: models.name_spec(model, param) for param in indirect})
         for param, keys in indirect.items():
             out[param] = _stack(param, params[param], places[param], keys, weights)
     return out

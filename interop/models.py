@@ -279,6 +279,16 @@ def row_index(rows: torch.Tensor):
     return rows
 
 
+def name_spec(model: nn.Module, param: str) -> tuple:
+    """The :func:`checkpoint_names` entry of a weight parameter of ``model``: (number of experts, or None for a 2-D
+    weight; its output rows in nn.Linear orientation; whether the experts module stores it transposed)."""
+    tensor = model.get_parameter(param)
+    module = model.get_submodule(param.rpartition(".")[0])
+    transposed = is_experts_module(module) and ExpertsLayout.of(module).transposed
+    return (tensor.shape[0] if tensor.ndim == 3 else None, tensor.shape[-1] if transposed else tensor.shape[-2],
+            transposed)
+
+
 def checkpoint_names(model: nn.Module, params: dict) -> dict:
     """Where the output rows of each target land in a ``save_pretrained`` checkpoint.
 
