@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -46,7 +45,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jgptq.parallel import memory
 from jgptq.parallel.programs import (AXIS, _compiled, _Spec, compiled_program, compiler_options,  # noqa: F401
-                                     expert_mesh, io_bytes, is_sequence, make_spec, program_peak, runtime_slack)
+                                     expert_mesh, input_bytes, io_bytes, is_sequence, make_spec, program_peak,
+                                     runtime_slack)
 
 log = logging.getLogger("jgptq.parallel")
 
@@ -262,9 +262,7 @@ def gathered_bytes(spec: _Spec, num_experts: int, gather_to=None) -> Optional[di
         gather_to = jax.local_devices()[0] if jax.process_count() == 1 else "host"
     if gather_to == "host":
         return None
-    inputs = sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
-                 if a is not None and ax == 0)
-    return {gather_to: num_experts * (io_bytes(spec) - inputs)}
+    return {gather_to: num_experts * (io_bytes(spec) - input_bytes(spec))}
 
 
 def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):

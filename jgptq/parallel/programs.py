@@ -94,7 +94,7 @@ def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
     out = sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(compiled.out_info))
     with _lock:
         _compiled[key] = compiled
-        _io_compiled.setdefault(spec, _input_bytes(spec) + out // (n * per_device))
+        _io_compiled.setdefault(spec, input_bytes(spec) + out // (n * per_device))
     return compiled
 
 
@@ -115,7 +115,8 @@ def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
 _io_compiled: dict = {}   # spec -> io bytes read from a compiled program's outputs
 
 
-def _input_bytes(spec: _Spec) -> int:
+def input_bytes(spec: _Spec) -> int:
+    """Bytes of one expert's mapped inputs of ``spec``."""
     return sum(math.prod(a.shape) * a.dtype.itemsize for a, ax in zip(spec.avals, spec.in_axes)
                if a is not None and ax == 0)
 
@@ -133,7 +134,7 @@ def io_bytes(spec: _Spec) -> int:
 def _io_traced(spec: _Spec) -> int:
     args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in spec.avals]
     out = jax.eval_shape(spec.fn, *args)
-    return _input_bytes(spec) + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
+    return input_bytes(spec) + sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(out))
 
 
 def is_sequence(x) -> bool:
