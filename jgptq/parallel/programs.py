@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jgptq import xla_options
-from jgptq.parallel import memory
+from jgptq.parallel import memory, program_store
 
 AXIS = "expert"
 
@@ -90,7 +90,12 @@ def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
             structs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=repl))
     program = jax.jit(jax.shard_map(_per_device(spec.fn, spec.in_axes, k), mesh=mesh, in_specs=tuple(in_specs),
                                     out_specs=P(AXIS), check_vma=False))
-    compiled = program.lower(*structs).compile(compiler_options=compiler_options(mesh.devices.flat[0].platform))
+    device = mesh.devices.flat[0]
+    options = compiler_options(device.platform)
+    parts = (spec.in_axes, tuple(None if a is None else (tuple(a.shape), str(a.dtype)) for a in spec.avals), n,
+             device.platform, getattr(device, "device_kind", ""), per_device, k, sorted((options or {}).items()))
+    lowered = program_store.lower(program, structs, spec.fn, parts, out_shardings=shard)
+    compiled = lowered.compile(compiler_options=options)
     out = sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(compiled.out_info))
     with _lock:
         _compiled[key] = compiled
