@@ -109,7 +109,7 @@ def test_loaders_are_called_when_written(tmp_path, rng):
     tensors = [GGUFTensor("w", load(w), "f16", shape=(4, 64)), GGUFTensor("q", load(blocks), "q8_0", shape=(4, 64))]
     assert calls == []
     _, t = _reader(write_gguf(tmp_path / "l.gguf", "llama", {}, tensors))
-    assert calls == [(4, 64), (4, 2, 34)] * 2      # once to write, once to compare with the file read back
+    assert calls == [(4, 64), (4, 2, 34)]          # once each: the check reads the file, not the loader
     assert np.array_equal(np.asarray(t["w"].data).reshape(4, 64), w.astype(np.float16))
     assert np.array_equal(np.asarray(t["q"].data).reshape(-1), blocks.reshape(-1))
     with pytest.raises(ValueError, match="needs the tensor's shape"):
@@ -127,17 +127,14 @@ def test_a_file_that_reads_back_differently_is_not_put_in_place(tmp_path, monkey
     blocks = np.zeros((2, 1, 18), np.uint8)             # two rows of one q4_0 block
     blocks[1, 0, 2] = 7
     tensors = [GGUFTensor("blk.0.attn_q.weight", blocks, "q4_0", (2, 32))]
-    original = writer_module._file_bytes
-    calls = []
+    original = writer_module._read_back
 
-    def flipped_on_read_back(t):     # the second call is the check's: pretend the disk returned other bytes
-        calls.append(t.name)
-        data = original(t).copy()
-        if len(calls) > 1:
-            data.reshape(-1)[5] ^= 1
+    def flipped(fd, at, n):           # pretend the disk returned other bytes than were written
+        data = original(fd, at, n)
+        data[5] ^= 1
         return data
 
-    monkeypatch.setattr(writer_module, "_file_bytes", flipped_on_read_back)
+    monkeypatch.setattr(writer_module, "_read_back", flipped)
     path = tmp_path / "m.gguf"
     with pytest.raises(OSError) as info:
         write_gguf(path, "llama", {}, tensors)
@@ -146,3 +143,55 @@ def test_a_file_that_reads_back_differently_is_not_put_in_place(tmp_path, monkey
     assert not path.exists() and list(tmp_path.iterdir()) == []
     write_gguf(path, "llama", {}, tensors, verify=False)       # the check can be turned off
     assert path.exists()
+
+
+def test_a_header_that_places_a_tensor_elsewhere_is_caught(tmp_path, monkeypatch):
+    import jgptq.export.gguf as writer_module
+
+    tensors = [GGUFTensor("a", np.ones((2, 32), np.float32), "f32"), GGUFTensor("b", np.ones((3, 32), np.float32),
+                                                                              "f16")]
+    original = writer_module._pad
+    monkeypatch.setattr(writer_module, "_pad", lambda n, a: original(n, a) + (64 if n == 256 else 0))
+    path = tmp_path / "m.gguf"
+    with pytest.raises(OSError, match="b is not where or as large as it was written; nothing was put in place"):
+        write_gguf(path, "llama", {}, tensors)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stream_writes_tensors_as_they_come_and_the_header_last(tmp_path):
+    from jgptq.export.gguf import GGUFStream
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(4, 2, 34)
+    path = tmp_path / "s.gguf"
+    meta = {"general.file_type": 0, "general.name": "abc"}
+    with GGUFStream(path, "llama", meta, [("q", (4, 64)), ("w", (4, 64))]) as stream:
+        assert stream.next_name == "q" and not path.exists()
+        with pytest.raises(ValueError, match=r"tensor 0 is declared as q \(4, 64\), given w \(4, 64\)"):
+            stream.write(GGUFTensor("w", w, "f32"))
+        stream.write(GGUFTensor("q", blocks, "q8_0"))     # its type was not declared: only the header holds it
+        stream.write(GGUFTensor("w", w, "f16"))
+        assert stream.next_name is None
+        with pytest.raises(ValueError, match="values changed size"):
+            stream.finish({"general.file_type": 7, "general.name": "abcd"})
+    assert list(tmp_path.iterdir()) == []              # a failed finish removes the file
+    with GGUFStream(path, "llama", meta, [("q", (4, 64)), ("w", (4, 64))]) as stream:
+        stream.write(GGUFTensor("q", blocks, "q8_0"))
+        stream.write(GGUFTensor("w", w, "f16"))
+        stream.finish({"general.file_type": 7, "general.name": "xyz"})
+    reader, t = _reader(path)
+    assert reader.fields["general.file_type"].contents() == 7
+    assert reader.fields["general.name"].contents() == "xyz"
+    assert t["q"].tensor_type == gguf.GGMLQuantizationType.Q8_0 and t["w"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert np.array_equal(np.asarray(t["q"].data).reshape(-1), blocks.reshape(-1))
+    assert np.array_equal(np.asarray(t["w"].data).reshape(4, 64), w.astype(np.float16))
+    # the same tensors through write_gguf give the same file, byte for byte
+    again = write_gguf(tmp_path / "again.gguf", "llama", {"general.file_type": 7, "general.name": "xyz"},
+                       [GGUFTensor("q", blocks, "q8_0"), GGUFTensor("w", w, "f16")])
+    assert again.read_bytes() == path.read_bytes()
+    with pytest.raises(ValueError, match="1 of 2 tensors written; next w"):
+        with GGUFStream(tmp_path / "t.gguf", "llama", {}, [("q", (4, 64)), ("w", (4, 64))]) as stream:
+            stream.write(GGUFTensor("q", blocks, "q8_0"))
+            stream.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.gguf", "s.gguf"]
