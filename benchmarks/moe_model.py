@@ -8,7 +8,9 @@ to host memory first and brings one at a time to the GPU; ``--offload disk`` kee
 first. Calibration: 128 sequences x 2048
 random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetric, float16 scales), every expert
 of a layer in one vmapped solve per shape; ``--format q4_k`` (any GGML format) runs GGML group updates instead, and
-with ``--export`` writes a GGUF file.
+with ``--export`` writes a GGUF file: layer by layer while the run goes (:class:`interop.gguf_stream.GGUFSink`;
+its time is inside the total, the wait for the last tensors and the header is the ``export`` stage), or after
+the run with ``--export-after``.
 
 Reported: total wall time and per-stage seconds summed over layers (capture, calibrate = forward + Hessian
 accumulation, solve, write-back, store = waiting for the checkpoint records made beside the next layer, replay =
@@ -102,6 +104,8 @@ def main(argv=None):
     p.add_argument("--export", action="store_true", help="also export a checkpoint (--export-kind)")
     p.add_argument("--export-kind", choices=("compressed-tensors", "gptq", "gguf"), default=None,
                    help="checkpoint kind of --export (default: gguf for a GGML --format, else compressed-tensors)")
+    p.add_argument("--export-after", action="store_true",
+                   help="write a GGUF --export after the run instead of layer by layer during it")
     p.add_argument("--format", default="int", metavar="FORMAT",
                    help="int (int4 group 128, the default) or a GGML format such as q4_k (GGML group updates)")
     p.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
@@ -152,13 +156,23 @@ def main(argv=None):
     out["format"] = quant.format
     kind = args.export_kind or ("gguf" if quant.is_ggml else "compressed-tensors")
 
+    sink = None
+    target = tempfile.mkdtemp(prefix="jgptq_export_") if args.export else None
+    if args.export and kind == "gguf" and not args.export_after:
+        from interop.gguf_stream import GGUFSink
+
+        sink = GGUFSink(os.path.join(target, "out.gguf"))
     t0 = time.perf_counter()
     result = jgptq.quantize_moe(model, calib, quant, device=device, batch_size=s["batch"],
                                 hessian_dtype="bfloat16", keep_hessians=bool(args.anchor_experts), progress=True,
                                 offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
-                                **({"block_fallback": "llama.cpp"} if quant.is_ggml else {}))
+                                sink=sink, **({"block_fallback": "llama.cpp"} if quant.is_ggml else {}))
     sync()
     total = time.perf_counter() - t0
+    if sink is not None:   # written during the run: its time is in the total, the wait at the end in stage_s
+        out.update({"export_kind": kind, "export_mode": "during the run (GGUFSink)",
+                    "export_bytes": os.path.getsize(sink.written), "total_with_export_s": total})
+        shutil.rmtree(target, ignore_errors=True)
     report = result.report
     stages = report.stage_totals()
     out.update({
@@ -210,10 +224,10 @@ def main(argv=None):
         print({k: out[k] for k in ("anchor_solve_s", "speedup_solve_stage", "speedup_end_to_end")}, flush=True)
         common.write(args.out, out)
 
-    if args.export:
+    if args.export and sink is None:
         from interop.export import export_model
 
-        target = tempfile.mkdtemp(prefix="jgptq_export_")
+        out["export_mode"] = "after the run (export_model)"
         try:
             t0 = time.perf_counter()
             export_model(model, result, kind, os.path.join(target, "out.gguf" if kind == "gguf" else "out"))

@@ -278,13 +278,22 @@ def run_quantize(args) -> int:
         with warnings_once() as shown:
             if shortfall:
                 warnings.warn(shortfall, stacklevel=1)
-            result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume)
-            log(f"exporting {args.export} to {files['out']}", args.quiet)
-            with writing(files["out"]):
-                export_model(model, result, args.export, files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
-                             source_dir=args.tokenizer or model_dir, max_shard_bytes=max_shard,
-                             **({"float_embeddings": True} if args.export == "gguf" and args.float_embeddings else {}),
-                             **({"names": args.gptq_names} if args.export == "gptq" else {}))
+            sink = None
+            if args.export == "gguf":   # written layer by layer while the run goes
+                from interop.gguf_stream import GGUFSink
+
+                sink = GGUFSink(files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                                float_embeddings=bool(getattr(args, "float_embeddings", False)))
+                log(f"writing gguf to {files['out']} as the layers finish", args.quiet)
+            result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume,
+                                  sink=sink)
+            if sink is None:
+                log(f"exporting {args.export} to {files['out']}", args.quiet)
+                with writing(files["out"]):
+                    export_model(model, result, args.export, files["out"], overwrite=args.overwrite,
+                                 tokenizer=tokenizer, source_dir=args.tokenizer or model_dir,
+                                 max_shard_bytes=max_shard, **({"names": args.gptq_names} if args.export == "gptq"
+                                                               else {}))
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on
         raise CommandError(failure_message(exc, files["work"])) from exc
     if shortfall:

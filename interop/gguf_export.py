@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -105,22 +106,40 @@ def _assemble(model, result, params: dict) -> dict:
         if missing:
             raise ValueError(f"{param}: checkpoint keys {missing[:4]} are missing from result.weights")
         used.update(keys)
-        full = params[param]
-        if len(full) < 2:
-            raise ValueError(f"{param}: a {len(full)}-D tensor (a norm or bias) stays in floating point in llama.cpp; "
-                             f"leave it out of the result")
-        if len(keys) == 1 and tuple(weights[keys[0]].shape) == full:
-            out[param] = weights[keys[0]]
-        else:
+        if len(params[param]) < 2:
+            raise ValueError(f"{param}: a {len(params[param])}-D tensor (a norm or bias) stays in floating point in "
+                             f"llama.cpp; leave it out of the result")
+        if not _direct(keys, weights, params[param]):
             indirect[param] = keys
     unused = set(weights) - used
     if unused:
         raise ValueError(f"result.weights keys {sorted(unused)[:4]} belong to no parameter in result.param_keys")
-    if indirect:
-        places = models.checkpoint_names(model, {param: models.name_spec(model, param) for param in indirect})
-        for param, keys in indirect.items():
-            out[param] = _stack(param, params[param], places[param], keys, weights)
+    places = row_places(model, indirect)
+    for param, keys in param_keys.items():
+        out[param] = param_record(param, params[param], list(keys), weights, places.get(param))
     return out
+
+
+def _direct(keys: list, weights: dict, full: tuple) -> bool:
+    return len(keys) == 1 and tuple(weights[keys[0]].shape) == tuple(full)
+
+
+def row_places(model, params) -> dict:
+    """Parameter -> where its rows land under checkpoint keys (:func:`interop.models.checkpoint_names`), for
+    ``params`` (names) whose records are kept per checkpoint key."""
+    if not params:
+        return {}
+    return models.checkpoint_names(model, {param: models.name_spec(model, param) for param in params})
+
+
+def param_record(param: str, full: tuple, keys: list, weights: dict, places=None) -> GGMLWeight:
+    """One :class:`GGMLWeight` covering parameter ``param`` of shape ``full`` from the records of its checkpoint
+    ``keys`` (the record itself when one key holds it all; else stacked by ``places``, from :func:`row_places`)."""
+    if _direct(keys, weights, full):
+        return weights[keys[0]]
+    if places is None:
+        raise ValueError(f"{param}: its records {sorted(keys)[:4]} need the checkpoint places of its rows")
+    return _stack(param, full, places, keys, weights)
 
 
 def _stack(param: str, full: tuple, places: list, keys: list, weights: dict) -> GGMLWeight:
@@ -232,65 +251,116 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
       ValueError: a record of the wrong type, shape or format (rows not a multiple of its block), a record for a
         norm or router, or keys that belong to no parameter. FileExistsError: ``out`` exists, no ``overwrite``.
     """
-    if float_type not in FLOAT_TYPES:
-        raise ValueError(f"float_type {float_type!r} is not one of {FLOAT_TYPES}")
-    spec = arch_of(model)
-    vocab = {gguf.Keys.Tokenizer.MODEL: "none"}
-    if tokenizer is not None:
-        vocab = vocab_metadata(tokenizer, int(model.config.vocab_size))
     path = _output_path(out)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    state = model.state_dict()
-    plan = targets(model, spec)
-    params = {p: tuple(_shape(model, p, t)) for p, t in state.items()}
-    records = _assemble(model, result, params) if result is not None else {}
+    file = GGUFFile(model, tokenizer=tokenizer, float_type=float_type)
+    records = _assemble(model, result, file.params) if result is not None else {}
     for param, rec in records.items():
-        if tuple(rec.shape) != params[param]:
-            raise ValueError(f"{param}: record shape {tuple(rec.shape)} does not match the parameter "
-                             f"{params[param]} (nn.Linear orientation)" + _block_hint(params[param], rec))
-        if any(t.role in ("norm", "router") for t in plan[param]):
-            raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
-                             f"the result")
-
-    formats = Counter()      # weights per GGML format of the run's own records: general.file_type and edge rules
-    for rec in records.values():
-        formats[rec.format] += int(np.prod(rec.shape))
-    edges = (_edge_records(model, result, plan, state, records, formats)
+        file.check_record(param, rec)
+    formats = record_formats(records.values())  # the run's own records: general.file_type and edge rules
+    edges = (_edge_records(model, result, file.plan, file.state, records, formats)
              if result is not None and not float_embeddings else {})
     records.update(edges)
     for param in records:
-        if not plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
-            plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
+        if not file.plan[param]:  # a quantized head of a tied model: written, llama.cpp then loads it as the head
+            file.plan[param] = [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]
+    tensors = [file.tensor(param, t, records.get(param)) for param, t in file.entries()]
+    meta = file.metadata(result, formats, file_type, name)
+    return write_gguf(path, file.spec.name, meta, tensors, overwrite=overwrite, verify=verify)
 
-    tensors = []
-    freqs = rope_freqs(model.config)
-    if freqs is not None:
-        tensors.append(GGUFTensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs, "f32"))
-    for param, entries in plan.items():
-        rec, full = records.get(param), params[param]
-        for t in entries:
-            shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
-            shape = (int(np.prod(shape)),) if t.flat else shape
-            if rec is not None:
-                tensors.append(GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape))
-                continue
-            kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else float_type
-            tensors.append(GGUFTensor(t.name, functools.partial(_float_rows, model, param, state[param], t), kind,
-                                      shape))
-    if spec.output_required and not any(t.name == "output.weight" for t in tensors):
-        raise UnsupportedGGUFModel(f"{type(model).__name__}: llama.cpp's {spec.name} needs an output head")
 
-    if file_type is None:
-        mix = getattr(getattr(result, "config", None), "mix", None)
-        file_type = _file_type(formats, float_type, mix if formats else None)
-    meta = {gguf.Keys.General.NAME: name or _model_name(model)}
-    meta.update(metadata(model, spec))
-    meta[gguf.Keys.General.FILE_TYPE] = int(file_type)
-    meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
-    meta.update(vocab)
-    meta.update(_allocation_metadata(result))
-    return write_gguf(path, spec.name, meta, tensors, overwrite=overwrite, verify=verify)
+def record_formats(records) -> Counter:
+    """Weights per GGML format of ``records`` (:class:`GGMLWeight`)."""
+    formats = Counter()
+    for rec in records:
+        formats[rec.format] += int(np.prod(rec.shape))
+    return formats
+
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class GGUFFile:
+    """What the GGUF file of ``model`` holds, known before any record exists: the architecture, each parameter's
+    GGUF tensors (:func:`interop.gguf_arch.targets`) and shapes, their order in the file, the metadata.
+
+    File order: the tensors of each decoder layer (``blk.N.*``) in layer order, then the rest (token embedding,
+    final norm, output head, RoPE factors), so that a file written while a run goes (:mod:`interop.gguf_stream`)
+    takes each layer's tensors as that layer is done.
+    """
+
+    def __init__(self, model, *, tokenizer=None, float_type: str = "f16"):
+        if float_type not in FLOAT_TYPES:
+            raise ValueError(f"float_type {float_type!r} is not one of {FLOAT_TYPES}")
+        self.model, self.float_type = model, float_type
+        self.spec = arch_of(model)
+        self.vocab = {gguf.Keys.Tokenizer.MODEL: "none"}
+        if tokenizer is not None:
+            self.vocab = vocab_metadata(tokenizer, int(model.config.vocab_size))
+        self.state = model.state_dict()
+        self.plan = targets(model, self.spec)
+        self.params = {p: tuple(_shape(model, p, t)) for p, t in self.state.items()}
+        self.freqs = rope_freqs(model.config)
+
+    def check_record(self, param: str, rec: GGMLWeight) -> None:
+        """Raises ValueError for a record that does not fit ``param`` (shape, or a norm/router llama.cpp keeps in
+        floating point)."""
+        if tuple(rec.shape) != self.params[param]:
+            raise ValueError(f"{param}: record shape {tuple(rec.shape)} does not match the parameter "
+                             f"{self.params[param]} (nn.Linear orientation)" + _block_hint(self.params[param], rec))
+        if any(t.role in ("norm", "router") for t in self.plan[param]):
+            raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
+                             f"the result")
+
+    def entries(self) -> list:
+        """[(parameter name or None for the RoPE factors, :class:`Target`)] in file order."""
+        found = [(param, t) for param, entries in self.plan.items() for t in entries]
+        if self.freqs is not None:
+            found.append((None, Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", role="norm")))
+        if self.spec.output_required and not any(t.name == "output.weight" for _, t in found):
+            raise UnsupportedGGUFModel(f"{type(self.model).__name__}: llama.cpp's {self.spec.name} needs an output "
+                                       f"head")
+
+        def place(entry):
+            m = _LAYER.match(entry[1].name)
+            return (0, int(m.group(1))) if m else (1, 0)
+
+        return sorted(found, key=place)     # stable: plan order within a layer and in the rest
+
+    def shape(self, param, t) -> tuple:
+        """The logical shape (numpy order) of the GGUF tensor ``t`` of ``param``."""
+        if param is None:
+            return tuple(self.freqs.shape)
+        full = self.params[param]
+        shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
+        return (int(np.prod(shape)),) if t.flat else shape
+
+    def tensor(self, param, t, rec=None) -> GGUFTensor:
+        """The :class:`GGUFTensor` of target ``t`` of ``param``: the record's blocks, or the float parameter
+        (read when written)."""
+        shape = self.shape(param, t)
+        if param is None:
+            return GGUFTensor(t.name, self.freqs, "f32")
+        if rec is not None:
+            return GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape)
+        kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else self.float_type
+        return GGUFTensor(t.name, functools.partial(_float_rows, self.model, param, self.state[param], t), kind,
+                          shape)
+
+    def metadata(self, result, formats: Counter, file_type: int | None = None, name: str | None = None) -> dict:
+        """The file's metadata: name, architecture keys, file type (default from ``formats`` and the run's mix),
+        quantization version, vocabulary, a target_bpw run's allocation."""
+        if file_type is None:
+            mix = getattr(getattr(result, "config", None), "mix", None)
+            file_type = _file_type(formats, self.float_type, mix if formats else None)
+        meta = {gguf.Keys.General.NAME: name or _model_name(self.model)}
+        meta.update(metadata(self.model, self.spec))
+        meta[gguf.Keys.General.FILE_TYPE] = int(file_type)
+        meta[gguf.Keys.General.QUANTIZATION_VERSION] = QUANTIZATION_VERSION
+        meta.update(self.vocab)
+        meta.update(_allocation_metadata(result))
+        return meta
 
 
 def _edge_records(model, result, plan: dict, state: dict, records: dict, formats: Counter) -> dict:

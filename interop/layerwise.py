@@ -61,7 +61,7 @@ from jgptq.config import PipelineConfig
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
-                 checkpoint_dir=None, resume: bool = True, imatrix=None, **kwargs) -> QuantizeResult:
+                 checkpoint_dir=None, resume: bool = True, imatrix=None, sink=None, **kwargs) -> QuantizeResult:
     """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
 
     Args:
@@ -79,6 +79,10 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
       imatrix: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (e.g. an earlier run's
         ``result.imatrix``): the importance of the GGML encoders comes from it instead of this run's statistic
         (``importance="imatrix"``). Every target weight needs an entry.
+      sink: where the records go while the run goes: an :class:`interop.gguf_stream.GGUFSink` writes the GGUF
+        file layer by layer beside the work (``sink.start(model, result)`` before the first layer, ``add`` with
+        each layer's records, ``finish(result)`` at the end, its time the report's ``export`` stage; ``abort``
+        when the run fails).
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
         ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
@@ -117,10 +121,19 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     model.eval()
     failed = True
     try:
+        if sink is not None:
+            sink.start(model, run.result)
+            run.stores.sink = sink
         with torch.no_grad(), (capture.experts_implementation(model) if has_experts else contextlib.nullcontext()):
             _run_layers(run, ckpt, start)
+        if sink is not None:
+            t0 = time.perf_counter()
+            sink.finish(run.result)
+            run.report.add_time(max(len(run.layers) - 1, 0), "export", time.perf_counter() - t0)
         failed = False
     except BaseException as exc:
+        if sink is not None:
+            sink.abort()
         note = run.placement.failure_note()
         if note:
             exc.add_note(note)

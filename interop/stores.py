@@ -75,9 +75,16 @@ class Stores:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jgptq-store")
         self._copies = _HostCopies()     # used by the one worker thread only
         self._pending: list = []
+        self.sink = None                 # an object whose add(records) takes each layer's records (a GGUF file)
 
     def submit(self, layer: int, names: dict, solved: list) -> None:
-        self._pending.append((layer, self._pool.submit(layer_records, names, solved, self._copies)))
+        self._pending.append((layer, self._pool.submit(self._records, names, solved)))
+
+    def _records(self, names: dict, solved: list) -> dict:
+        records = layer_records(names, solved, self._copies)
+        if self.sink is not None:
+            self.sink.add(records)
+        return records
 
     def collect(self, weights: dict, report) -> None:
         for layer, job in self._pending:
