@@ -31,6 +31,7 @@ import torch
 from interop import models
 from interop.gguf_arch import (ARCHITECTURES, Target, UnsupportedGGUFModel, arch_of, gguf_names, metadata,
                                qk_row_order, rope_freqs, targets)
+from interop.gguf_edges import edge_records
 from interop.gguf_vocab import vocab_metadata
 from jgptq.export.gguf import FLOAT_TYPES, GGUFTensor, write_gguf
 from jgptq.export.records import GGMLWeight
@@ -259,7 +260,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     for param, rec in records.items():
         file.check_record(param, rec)
     formats = record_formats(records.values())  # the run's own records: general.file_type and edge rules
-    edges = (_edge_records(model, result, file.plan, file.state, records, formats)
+    edges = (edge_records(result, file.plan, file.state, records, formats)
              if result is not None and not float_embeddings else {})
     records.update(edges)
     for param in records:
@@ -363,41 +364,6 @@ class GGUFFile:
         return meta
 
 
-def _edge_records(model, result, plan: dict, state: dict, records: dict, formats: Counter) -> dict:
-    """GGML records of the token embedding and the output head in llama.cpp's types for the run (none for an
-    integer run or a result without a config), each added to the run's report; ``formats`` counts the run's
-    weights per format (its dominant one names the file type)."""
-    import jgptq.ggml as ggml
-    from interop.report import ModuleRecord
-    from jgptq.plan import edge_formats
-
-    config = getattr(result, "config", None)
-    roles = {p: e[0].role for p, e in plan.items() if e and e[0].role in ("embedding", "output")}
-    if not roles or not getattr(getattr(config, "quant", None), "is_ggml", False):
-        return {}
-    tied = "output" not in roles.values() and not any(plan[p] and plan[p][0].role == "output" for p in records)
-    cols = int(state[next(iter(roles))].shape[-1])
-    edge = edge_formats(config, cols, tied, formats.most_common(1)[0][0] if formats else None)
-    out = {}
-    for param, role in roles.items():
-        fmt = edge.get("token_embd" if role == "embedding" else "output")
-        if fmt is None or param in records:
-            continue
-        weight = state[param].detach().to("cpu", torch.float32).numpy()
-        entry = (getattr(result, "imatrix", None) or {}).get(param)
-        importance = None
-        if entry is not None and role == "output":   # llama.cpp's imatrix never holds the embedding
-            importance = np.asarray(entry[0], np.float32).reshape(-1) / max(float(np.asarray(entry[1]).sum()), 1.0)
-        out[param] = GGMLWeight(np.asarray(ggml.encode(weight, fmt, importance)).reshape(
-            weight.shape[0], -1, ggml.get_format(fmt).type_size), fmt, method="rtn")
-        report = getattr(result, "report", None)
-        if report is not None and not any(r.name == param and r.layer == -1 for r in report.records):
-            name = plan[param][0].name.removesuffix(".weight")
-            report.records.append(ModuleRecord(
-                name=param, layer=-1, kind=name, shape=tuple(weight.shape), tokens=0, method="rtn",
-                reason=f"llama.cpp's type of {name} for this run" + (" (with importance)" if importance is not None
-                                                                      else ""), format=fmt))
-    return out
 def _allocation_metadata(result) -> dict:
     """``jgptq.target_bpw`` and ``jgptq.allocation`` (the report's allocation as JSON text) of a target_bpw run."""
     allocation = getattr(getattr(result, "report", None), "allocation", None)

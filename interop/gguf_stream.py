@@ -18,9 +18,11 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 
-from interop.gguf_export import GGUFFile, _edge_records, _output_path, param_record, record_formats, row_places
+from interop.gguf_edges import edge_choices, encode_edges, report_edges
+from interop.gguf_export import GGUFFile, _output_path, param_record, record_formats, row_places
 from interop.write_errors import writing
 from jgptq.export.gguf import GGUFStream
 from jgptq.export.records import GGMLWeight
@@ -48,7 +50,7 @@ class GGUFSink:
         self._weights: dict = {}          # checkpoint key -> record, as layers finish
         self._edges = None                # parameter -> record of the embedding / head, once the run ends
         self._error: BaseException | None = None
-        self._stream = self._thread = None
+        self._stream = self._thread = self._early = None
         self.written = None
 
     def start(self, model, result) -> None:
@@ -79,6 +81,19 @@ class GGUFSink:
         self.add(result.weights)
         self._thread = threading.Thread(target=self._work, name="jgptq-gguf", daemon=True)
         self._thread.start()
+        self._early = None
+        if not self._float_embeddings and quant is not None:   # on the guess that the run's format dominates
+            guess = edge_choices(result, file.plan, file.state, keys, Counter({quant.format: 1}))
+            if guess:
+                self._early = (guess, {}, threading.Thread(target=self._encode_early, args=(guess,),
+                                                           name="jgptq-gguf-edges", daemon=True))
+                self._early[2].start()
+
+    def _encode_early(self, guess: dict) -> None:
+        try:
+            self._early[1].update(encode_edges(self._file.state, guess))
+        except Exception:   # encoded again at the end, where an error is reported
+            self._early[1].clear()
 
     def add(self, records: dict) -> None:
         """Records of finished layers (checkpoint key -> record), from any thread."""
@@ -101,8 +116,15 @@ class GGUFSink:
             self.abort()
             raise ValueError(f"the run's records {missing[:4]} never reached the GGUF file")
         formats = record_formats(weights[k] for keys in self._keys.values() for k in keys)
-        edges = ({} if self._float_embeddings else
-                 _edge_records(file.model, result, file.plan, file.state, dict.fromkeys(self._keys), formats))
+        choices = ({} if self._float_embeddings else
+                   edge_choices(result, file.plan, file.state, self._keys, formats))
+        edges = {}
+        if self._early is not None:
+            guess, encoded, thread = self._early
+            thread.join()
+            edges = {p: encoded[p] for p, c in choices.items() if c.same(guess.get(p)) and p in encoded}
+        edges.update(encode_edges(file.state, {p: c for p, c in choices.items() if p not in edges}))
+        report_edges(result, file.plan, file.state, choices)
         with self._cond:
             self._edges = edges
             self._cond.notify_all()

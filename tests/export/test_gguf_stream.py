@@ -82,3 +82,38 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"a GGUF file holds GGML formats; this run quantizes to integer grids \(format 'int'\)"):
         jgptq.quantize_moe(model, CALIB, bits=4, group_size=64, sink=GGUFSink(tmp_path / "int.gguf"), **OPTS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there.gguf"]
+
+
+def test_edges_encoded_early_are_kept_only_when_the_run_chose_the_same(tmp_path, monkeypatch):
+    from interop import gguf_stream
+
+    encoded = []
+    encode = gguf_stream.encode_edges
+
+    def counting_encode(state, choices):
+        encoded.append(sorted((p, c.format) for p, c in choices.items()))
+        return encode(state, choices)
+
+    monkeypatch.setattr(gguf_stream, "encode_edges", counting_encode)
+    model = tiny("qwen3_moe")
+    sink = GGUFSink(tmp_path / "kept.gguf")
+    result = jgptq.quantize_moe(copy.deepcopy(model), CALIB, format="q8_0", sink=sink, **OPTS)
+    assert encoded == [[("lm_head.weight", "q8_0"), ("model.embed_tokens.weight", "q8_0")], []]   # early, then none
+
+    choose = gguf_stream.edge_choices
+    calls = []
+
+    def wrong_first_guess(result, plan, state, records, formats):
+        calls.append(1)
+        out = choose(result, plan, state, records, formats)
+        return {p: c._replace(format="q4_0") for p, c in out.items()} if len(calls) == 1 else out
+
+    monkeypatch.setattr(gguf_stream, "edge_choices", wrong_first_guess)
+    encoded.clear()
+    sink = GGUFSink(tmp_path / "again.gguf")
+    again = jgptq.quantize_moe(copy.deepcopy(model), CALIB, format="q8_0", sink=sink, **OPTS)
+    assert encoded == [[("lm_head.weight", "q4_0"), ("model.embed_tokens.weight", "q4_0")],
+                       [("lm_head.weight", "q8_0"), ("model.embed_tokens.weight", "q8_0")]]
+    assert sink.written.read_bytes() == (tmp_path / "kept.gguf").read_bytes()
+    assert [r.format for r in again.report.records if r.layer == -1] == ["q8_0", "q8_0"]
+    assert [r.format for r in result.report.records if r.layer == -1] == ["q8_0", "q8_0"]
