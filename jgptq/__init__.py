@@ -7,6 +7,7 @@
 - :func:`export_model` writes that result as a checkpoint (compressed-tensors, GPTQ v1 or GGUF);
   :func:`export_gguf` also writes a float model, :func:`check_exportable` refuses up front what the GGUF writer
   would refuse, :func:`export_imatrix` writes a run's importance statistic for ``llama-quantize --imatrix``;
+  :class:`GGUFSink` (``quantize_moe(..., sink=...)``) writes the GGUF file layer by layer while the run goes;
 - :func:`evaluate` compares a quantized checkpoint (a jgptq output folder or a GGUF file) with its float model on
   held-out text as llama-perplexity does (KL, top-1 agreement, perplexities); it returns an :class:`Evaluation`;
 - :func:`load_layer` and :func:`reload_all` load the layers a run with ``offload="disk", reload=False`` left in
@@ -63,6 +64,7 @@ _PUBLIC = {
     "export_gguf": "interop.gguf_export",
     "export_imatrix": "interop.gguf_export",
     "check_exportable": "interop.gguf_export",
+    "GGUFSink": "interop.gguf_stream",
     "evaluate": "interop.evaluate",
     "Evaluation": "jgptq.evaluation",
     "EvaluationError": "jgptq.evaluation",

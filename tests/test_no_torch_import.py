@@ -51,6 +51,7 @@ FACE = {
     "DeviceBudgetError": ("interop.offload", "DeviceBudgetError"),
     "ExportError": ("interop.export", "ExportError"),
     "UnsupportedGGUFModel": ("interop.gguf_arch", "UnsupportedGGUFModel"),
+    "GGUFSink": ("interop.gguf_stream", "GGUFSink"),
     "evaluate": ("interop.evaluate", "evaluate"),
     "Evaluation": ("jgptq.evaluation", "Evaluation"),
     "EvaluationError": ("jgptq.evaluation", "EvaluationError"),
