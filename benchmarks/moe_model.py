@@ -63,8 +63,6 @@ def build_model(s, layers, device):
 
 def _anchor(result, originals, s, n_experts, sync):
     """The textbook loop on the same Hessians: every attention matrix, ``n_experts`` experts of every layer."""
-    import torch
-
     from benchmarks.anchors.torch_gptq import gptq_textbook
     from interop.dlpack import to_torch
 

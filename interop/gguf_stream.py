@@ -23,7 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 from interop.gguf_edges import edge_choices, encode_edges, report_edges
-from interop.gguf_export import GGUFFile, _output_path, param_record, record_formats, row_places
+from interop.gguf_export import GGUFFile, _output_path
+from interop.gguf_records import param_record, record_formats, row_places
 from interop.write_errors import writing
 from jgptq.export.gguf import GGUFStream
 from jgptq.export.records import GGMLWeight
