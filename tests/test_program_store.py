@@ -120,3 +120,28 @@ def test_source_digest_follows_every_source_file(tmp_path):
     assert digest() not in (first, changed)
     program_store.source_digest.cache_clear()
     assert len(program_store.source_digest()) == 64
+
+
+def test_the_store_keeps_the_most_recently_used_entries(tmp_path, store, monkeypatch, rng):
+    import os
+
+    store.mkdir(parents=True)
+    for i, age in enumerate((300, 200, 100)):      # three old entries of 1000 bytes, the first the oldest
+        p = store / f"old{i}.jaxexport"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (p.stat().st_atime - age, p.stat().st_mtime - age))
+    monkeypatch.setattr(program_store, "MAX_BYTES", 2500)
+    fn = _Solver(QuantConfig(bits=4, group_size=128))
+    _run(fn, *_inputs(rng))                        # a new entry of about 100 KB: over the limit with any old one
+    names = sorted(p.name for p in store.glob("*.jaxexport"))
+    assert len(names) == 1 and not names[0].startswith("old")
+    (new,) = store.glob("*.jaxexport")
+    t = new.stat().st_mtime
+    for name, when in (("a", t - 50), ("b", t + 50)):      # one used before the new entry, one after it
+        p = store / f"{name}.jaxexport"
+        p.write_bytes(b"y" * 1000)
+        os.utime(p, (when, when))
+    program_store.prune(store, limit=new.stat().st_size + 1000)    # room for the new entry and one more
+    assert sorted(p.name for p in store.glob("*.jaxexport")) == sorted([new.name, "b.jaxexport"])
+    program_store.prune(store, limit=1000)
+    assert [p.name for p in store.glob("*.jaxexport")] == ["b.jaxexport"]

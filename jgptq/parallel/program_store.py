@@ -16,6 +16,7 @@ mesh (device count, platform, device kind), experts per device and vmap width, t
 of JAX, jaxlib and every source file of the ``jgptq`` package, the ``JGPTQ_`` environment variables and JAX's
 configuration. Anything else is traced as before. The store is the ``programs`` folder of the compile cache folder
 and follows its opt-out (``JGPTQ_COMPILATION_CACHE=0``); a file that does not load is traced again and replaced.
+Beyond :data:`MAX_BYTES` the entries used least recently are removed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ log = logging.getLogger("jgptq.parallel")
 jax.export.register_namedtuple_serialization(GPTQResult, serialized_name="jgptq.gptq.GPTQResult")
 
 FOLDER = "programs"
+# Most bytes the store keeps: each change of jgptq's sources or of JAX starts new entries, so the ones used least
+# recently are removed beyond this (a 48-layer GGML run of a 30B MoE model keeps about 2 MB).
+MAX_BYTES = 256 << 20
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -125,7 +129,7 @@ def _load(path: Path):
     except OSError:
         return None
     try:
-        return jax.export.deserialize(bytearray(data))
+        exported = jax.export.deserialize(bytearray(data))
     except Exception as exc:
         log.warning("program store: %s does not load (%s: %s); tracing again", path, type(exc).__name__, exc)
         try:
@@ -133,6 +137,11 @@ def _load(path: Path):
         except OSError:
             pass
         return None
+    try:
+        os.utime(path)      # used now: the last to be removed when the store is over MAX_BYTES
+    except OSError:
+        pass
+    return exported
 
 
 def _store(path: Path, data) -> None:
@@ -144,3 +153,29 @@ def _store(path: Path, data) -> None:
         os.replace(tmp, path)
     except OSError as exc:  # an unwritable folder only costs tracing time
         log.debug("program store: %s not written (%s)", path, exc)
+        return
+    prune(path.parent, keep=path)
+
+
+def prune(place: Path, limit: Optional[int] = None, keep: Optional[Path] = None) -> None:
+    """Removes the least recently used entries of the store folder ``place`` until it holds at most ``limit``
+    bytes (default :data:`MAX_BYTES`), never ``keep``."""
+    limit = MAX_BYTES if limit is None else limit
+    entries = []
+    for p in place.glob("*.jaxexport"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if p == keep:
+            continue
+        try:
+            p.unlink()
+            total -= size
+        except OSError:
+            pass

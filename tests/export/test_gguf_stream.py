@@ -17,7 +17,7 @@ CALIB = token_ids(8, 32, seed=1)
 OPTS = dict(batch_size=8, progress=False)
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "q4_k"), ("mixtral", "q8_0")])
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "q4_0"), ("mixtral", "q8_0")])
 def test_streamed_file_is_the_exported_file(family, fmt, tmp_path):
     model = tiny(family)
     sink = GGUFSink(tmp_path / "streamed.gguf")
@@ -117,3 +117,34 @@ def test_edges_encoded_early_are_kept_only_when_the_run_chose_the_same(tmp_path,
     assert sink.written.read_bytes() == (tmp_path / "kept.gguf").read_bytes()
     assert [r.format for r in again.report.records if r.layer == -1] == ["q8_0", "q8_0"]
     assert [r.format for r in result.report.records if r.layer == -1] == ["q8_0", "q8_0"]
+
+
+def test_a_resumed_run_writes_the_restored_layers_too(tmp_path, monkeypatch):
+    model = tiny("qwen3_moe")
+    step = layerwise._layer_step
+    work = tmp_path / "state"
+
+    def failing_step(run, i, *a, **kw):
+        if i == 1:
+            raise RuntimeError("stopped in layer 1")
+        return step(run, i, *a, **kw)
+
+    monkeypatch.setattr(layerwise, "_layer_step", failing_step)
+    first = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="stopped in layer 1"):
+        jgptq.quantize_moe(first, CALIB, format="q8_0", checkpoint_dir=work, sink=GGUFSink(tmp_path / "m.gguf"),
+                           **OPTS)
+    assert not (tmp_path / "m.gguf").exists()
+    ran = []
+
+    def recording_step(run, i, *a, **kw):
+        ran.append(i)
+        return step(run, i, *a, **kw)
+
+    monkeypatch.setattr(layerwise, "_layer_step", recording_step)
+    sink = GGUFSink(tmp_path / "m.gguf")
+    again = copy.deepcopy(model)                    # the model as loaded again for the second run
+    result = jgptq.quantize_moe(again, CALIB, format="q8_0", checkpoint_dir=work, sink=sink, **OPTS)
+    assert ran == list(range(1, model.config.num_hidden_layers))   # layer 0's records came from the saved state
+    after = export_gguf(again, result, tmp_path / "after.gguf")
+    assert sink.written.read_bytes() == after.read_bytes()
