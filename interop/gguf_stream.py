@@ -66,6 +66,8 @@ class GGUFSink:
     def start(self, model, result) -> None:
         """Called by the pipeline once the run's plan is known (``result``: its QuantizeResult, records of
         restored layers included); opens the file and starts the writer thread."""
+        if self._stream is not None:
+            raise ValueError(f"this GGUFSink already took a run (its file {self.path}); make a new one for each run")
         quant = getattr(getattr(result, "config", None), "quant", None)
         if quant is not None and not quant.is_ggml:
             raise ValueError("a GGUF file holds GGML formats; this run quantizes to integer grids (format 'int'): "

@@ -23,6 +23,8 @@ def test_streamed_file_is_the_exported_file(family, fmt, tmp_path):
     sink = GGUFSink(tmp_path / "streamed.gguf")
     result = jgptq.quantize_moe(model, CALIB, format=fmt, sink=sink, **OPTS)
     assert sink.written == tmp_path / "streamed.gguf"
+    with pytest.raises(ValueError, match="this GGUFSink already took a run"):
+        jgptq.quantize_moe(copy.deepcopy(model), CALIB, format=fmt, sink=sink, **OPTS)
     assert "export" in result.report.timings[model.config.num_hidden_layers - 1]
     edges = [r for r in result.report.records if r.layer == -1]
     assert {r.kind for r in edges} == {"token_embd", "output"}     # llama.cpp's types for the run, reported once
