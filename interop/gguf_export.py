@@ -107,7 +107,8 @@ def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
     return np.ascontiguousarray(data.reshape(-1) if t.flat else data)
 
 
-def _output_path(out) -> Path:
+def output_path(out) -> Path:
+    """The GGUF file ``out`` names: itself when it ends in ``.gguf`` (and is no folder), else ``out/model.gguf``."""
     path = Path(os.fspath(out))
     return path if path.suffix.lower() == ".gguf" and not path.is_dir() else path / "model.gguf"
 
@@ -151,7 +152,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
       ValueError: a record of the wrong type, shape or format (rows not a multiple of its block), a record for a
         norm or router, or keys that belong to no parameter. FileExistsError: ``out`` exists, no ``overwrite``.
     """
-    path = _output_path(out)
+    path = output_path(out)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     file = GGUFFile(model, tokenizer=tokenizer, float_type=float_type)

@@ -19,11 +19,7 @@ def assemble(model, result, params: dict) -> dict:
     (per-expert keys are stacked back with :func:`interop.models.checkpoint_names`).
     """
     weights = dict(result.weights)
-    for key, rec in weights.items():
-        if not isinstance(rec, GGMLWeight):
-            raise ValueError(f"{key}: a {type(rec).__name__} record holds an integer grid, not GGML blocks; GGUF "
-                             f"files hold GGML formats only (quantize with a GGML format, or export 'gptq' / "
-                             f"'compressed-tensors')")
+    check_ggml(weights)
     param_keys = dict(getattr(result, "param_keys", None) or {})
     if not param_keys:
         unknown = [k for k in weights if k not in params]
@@ -52,6 +48,15 @@ def assemble(model, result, params: dict) -> dict:
     for param, keys in param_keys.items():
         out[param] = param_record(param, params[param], list(keys), weights, places.get(param))
     return out
+
+
+def check_ggml(records: dict) -> None:
+    """Raises ValueError for a record (checkpoint key -> record) that is not a :class:`GGMLWeight`."""
+    for key, rec in records.items():
+        if not isinstance(rec, GGMLWeight):
+            raise ValueError(f"{key}: a {type(rec).__name__} record holds an integer grid, not GGML blocks; GGUF "
+                             f"files hold GGML formats only (quantize with a GGML format, or export 'gptq' / "
+                             f"'compressed-tensors')")
 
 
 def _direct(keys: list, weights: dict, full: tuple) -> bool:

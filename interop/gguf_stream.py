@@ -23,11 +23,11 @@ from collections import Counter
 from pathlib import Path
 
 from interop.gguf_edges import edge_choices, encode_edges, report_edges
-from interop.gguf_export import GGUFFile, _output_path
-from interop.gguf_records import param_record, record_formats, row_places
+from interop.export import check_format
+from interop.gguf_export import GGUFFile, output_path
+from interop.gguf_records import check_ggml, param_record, record_formats, row_places
 from interop.write_errors import writing
 from jgptq.export.gguf import GGUFStream
-from jgptq.export.records import GGMLWeight
 
 _LAYER = re.compile(r"\.layers\.\d+\.")
 
@@ -50,7 +50,7 @@ class GGUFSink:
     def __init__(self, out="model.gguf", *, overwrite: bool = False, tokenizer=None, float_type: str = "f16",
                  file_type: int | None = None, name: str | None = None, float_embeddings: bool = False,
                  verify: bool = True):
-        self.path = _output_path(out)
+        self.path = output_path(out)
         if self.path.exists() and not overwrite:
             raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
         self._options = dict(overwrite=overwrite, verify=verify)
@@ -69,10 +69,7 @@ class GGUFSink:
         if self._stream is not None:
             raise ValueError(f"this GGUFSink already took a run (its file {self.path}); make a new one for each run")
         quant = getattr(getattr(result, "config", None), "quant", None)
-        if quant is not None and not quant.is_ggml:
-            raise ValueError("a GGUF file holds GGML formats; this run quantizes to integer grids (format 'int'): "
-                             "choose a GGML format such as q4_k, or export 'gptq' / 'compressed-tensors' after "
-                             "the run")
+        check_format("gguf", quant)    # an integer-grid run, refused before its first layer
         file = GGUFFile(model, tokenizer=self._tokenizer, float_type=self._float_type)
         keys = {p: list(k) for p, k in (result.param_keys or {}).items()}
         for param in keys:
@@ -86,7 +83,6 @@ class GGUFSink:
         self._places = {}                 # their rows' checkpoint places, found by the writer as it needs them
         entries = file.entries()
         self._entries = entries
-        self._result = result
         meta = file.metadata(result, record_formats([]), self._file_type if self._file_type is not None else 0,
                              self._name)
         self._stream = GGUFStream(self.path, file.spec.name, meta, [(t.name, file.shape(p, t)) for p, t in entries],
@@ -112,10 +108,7 @@ class GGUFSink:
 
     def add(self, records: dict) -> None:
         """Records of finished layers (checkpoint key -> record), from any thread."""
-        for key, rec in records.items():
-            if not isinstance(rec, GGMLWeight):
-                raise ValueError(f"{key}: a {type(rec).__name__} record holds an integer grid, not GGML blocks; "
-                                 f"GGUF files hold GGML formats only")
+        check_ggml(records)
         with self._cond:
             self._weights.update(records)
             self._cond.notify_all()
@@ -194,7 +187,8 @@ class GGUFSink:
     def _work(self) -> None:
         try:
             for param, t in self._entries:
-                rec = self._record(param) if param is not None and param in self._keys or self._is_edge(t) else None
+                wanted = (param is not None and param in self._keys) or self._is_edge(t)
+                rec = self._record(param) if wanted else None
                 if self._error is not None:
                     return
                 self._stream.write(self._file.tensor(param, t, rec))
