@@ -101,7 +101,9 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
     """Runs the pipeline once with synchronized timers around the calibrate stage's functions."""
     import jax
 
-    from interop import capture, experts_capture, layerwise
+    from jgptq_torch.pipeline import capture
+    from jgptq_torch.pipeline import experts_capture
+    from jgptq_torch.pipeline import layerwise
     from jgptq import statistics
 
     sec = Sections(sync)

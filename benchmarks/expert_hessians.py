@@ -30,7 +30,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import torch
 
-    from interop import capture
+    from jgptq_torch.pipeline import capture
     from jgptq import hessian, statistics
 
     rng = np.random.default_rng(0)

@@ -100,7 +100,7 @@ def _quantize_jgptq(folder, calib, fmt, method, batch_size, imatrix=None, imatri
 
 
 def _evaluate(path, windows, ref, threads):
-    from interop import llama_logits
+    from jgptq_torch.cli import llama_logits
     from jgptq import evaluation
 
     t0 = time.perf_counter()
@@ -166,8 +166,8 @@ def main(argv=None):
 
     from benchmarks.quality import corpus, llama_side, lm
     from benchmarks.quality.imatrix_io import llama_imatrix
-    from interop import llama_logits
-    from interop.gguf_export import export_gguf
+    from jgptq_torch.cli import llama_logits
+    from jgptq_torch.export.gguf.export import export_gguf
     from jgptq import evaluation
 
     if not llama_logits.available():

@@ -62,7 +62,7 @@ def main(argv=None):
     import torch
 
     from benchmarks.anchors.torch_gptq import gptq_textbook
-    from interop.dlpack import to_torch
+    from jgptq_torch.dlpack import to_torch
     from jgptq import QuantConfig, gptq
 
     s = SMALL if args.small else FULL
@@ -102,7 +102,7 @@ def main(argv=None):
         return (gptq.solve_experts(original_up, h_up, quant, check=False),
                 gptq.solve_experts(original_down, h_down, quant, check=False))
 
-    from interop.dlpack import to_jax
+    from jgptq_torch.dlpack import to_jax
 
     original_up, original_down = to_jax(original_up), to_jax(original_down)
     warm = common.time_calls(solve_all, jax.block_until_ready, warmup=0, repeat=2)

@@ -8,7 +8,7 @@ to host memory first and brings one at a time to the GPU; ``--offload disk`` kee
 first. Calibration: 128 sequences x 2048
 random tokens, bf16 Hessian operands with float32 sums, int4 group 128 (symmetric, float16 scales), every expert
 of a layer in one vmapped solve per shape; ``--format q4_k`` (any GGML format) runs GGML group updates instead, and
-with ``--export`` writes a GGUF file: layer by layer while the run goes (:class:`interop.gguf_stream.GGUFSink`;
+with ``--export`` writes a GGUF file: layer by layer while the run goes (:class:`jgptq_torch.export.gguf.stream.GGUFSink`;
 its time is inside the total, the wait for the last tensors and the header is the ``export`` stage), or after
 the run with ``--export-after``.
 
@@ -64,7 +64,7 @@ def build_model(s, layers, device):
 def _anchor(result, originals, s, n_experts, sync):
     """The textbook loop on the same Hessians: every attention matrix, ``n_experts`` experts of every layer."""
     from benchmarks.anchors.torch_gptq import gptq_textbook
-    from interop.dlpack import to_torch
+    from jgptq_torch.dlpack import to_torch
 
     bs = s["group"]
     inter = s["width"]
@@ -157,7 +157,7 @@ def main(argv=None):
     sink = None
     target = tempfile.mkdtemp(prefix="jgptq_export_") if args.export else None
     if args.export and kind == "gguf" and not args.export_after:
-        from interop.gguf_stream import GGUFSink
+        from jgptq_torch.export.gguf.stream import GGUFSink
 
         sink = GGUFSink(os.path.join(target, "out.gguf"))
     t0 = time.perf_counter()
@@ -223,7 +223,7 @@ def main(argv=None):
         common.write(args.out, out)
 
     if args.export and sink is None:
-        from interop.export import export_model
+        from jgptq_torch.export.checkpoint import export_model
 
         out["export_mode"] = "after the run (export_model)"
         try:

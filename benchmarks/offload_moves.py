@@ -1,7 +1,7 @@
 """Layer moves between the GPU and host memory: pinned staging buffers against plain ``module.to`` copies.
 
 Builds moe_model's Qwen3-30B-A3B shape with ``--layers`` decoder layers (default 6, 1.25 GB each in bf16) on the
-GPU, then for each way of moving (``module.to``, the anchor; :class:`interop.moves.Staging`) and each number of
+GPU, then for each way of moving (``module.to``, the anchor; :class:`jgptq_torch.pipeline.moves.Staging`) and each number of
 worker threads placing the layers: the time to put every layer in host memory before a run (eager placement, as
 with a ``device_budget``), then one layer to the device and back, checking the bytes came back unchanged. The JSON
 gives the seconds and the ratios anchor / staged. Needs a CUDA device.
@@ -25,7 +25,7 @@ def main(argv=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import torch
 
-    from interop import offload
+    from jgptq_torch.pipeline import offload
     from jgptq.config import PipelineConfig
 
     if not torch.cuda.is_available():

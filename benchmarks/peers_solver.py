@@ -74,7 +74,7 @@ def jgptq_row(buckets, static):
     """jgptq: one vmapped solve per shape (gate and up solved as the fused gate_up matrix, as the pipeline does)."""
     import jax
 
-    from interop.dlpack import to_jax, to_torch
+    from jgptq_torch.dlpack import to_jax, to_torch
     from jgptq import QuantConfig, gptq
 
     cfg = QuantConfig(bits=BITS, group_size=GROUP, block_size=128, sym=SYM, damp=DAMP, static_groups=static,

@@ -8,7 +8,7 @@ static grids gave a lower layer loss (``peers_solver``); this benchmark asks whe
 The model: the quality benchmark's trained byte-level Qwen3-MoE (``benchmarks/quality/lm.py``, cached in
 ``~/.cache/jgptq``; trained first when missing). Both runs use the same calibration windows and settings (integer
 grids of ``--bits`` bits, groups of ``--group-size``, symmetric, GPTQ), differing only in ``static_groups``. Each
-quantized model is compared with the float one in torch (:func:`interop.evaluate.evaluate`, llama-perplexity's
+quantized model is compared with the float one in torch (:func:`jgptq_torch.cli.evaluate.evaluate`, llama-perplexity's
 definition: windows from an empty context, second half scored): mean KL per token with its standard error, p99,
 top-1 agreement, and the paired per-token difference (lazy - static) over the same tokens. The sum of the solver's
 layer losses is reported beside it.
@@ -43,7 +43,7 @@ def main(argv=None):
 
     from benchmarks.gguf_quality import DEFAULT_CACHE, _paired
     from benchmarks.quality import corpus, lm
-    from interop.evaluate import evaluate
+    from jgptq_torch.cli.evaluate import evaluate
 
     torch.manual_seed(0)
     data = corpus.corpus_bytes()

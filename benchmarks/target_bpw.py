@@ -186,12 +186,12 @@ def _mix_entry(mix, ctx, float_model, imat, entries, side, export_gguf):
         alloc, source = result.report.allocation, "target_bpw run (sensitivity pass and allocation)"
         ctx["allocation"] = alloc
     else:  # later budgets: the library's reallocation of the same measurement, then the normal pipeline
-        from interop.sensitivity import assignment_of, reallocate
+        from jgptq_torch.pipeline.sensitivity import assignment_of, reallocate
 
         alloc = reallocate(first, bpw)
         model, result, seconds = _quantize(folder, calib, imat, ctx["batch"], format=formats[0],
                                            assignment=tuple(assignment_of(alloc)))
-        source = "interop.sensitivity.reallocate of the first budget's measurement, run with its assignment"
+        source = "jgptq_torch.pipeline.sensitivity.reallocate of the first budget's measurement, run with its assignment"
     if model is not None:
         export_gguf(model, result, path_t, overwrite=True, float_type="f32", float_embeddings=True)
         with open(kept, "w") as f:
@@ -220,9 +220,9 @@ def _run_model(name, args, splits, digest, work, out):
 
     from benchmarks.quality import corpus, lm
     from benchmarks.quality.imatrix_io import llama_imatrix
-    from interop import llama_logits
+    from jgptq_torch.cli import llama_logits
     from jgptq import evaluation
-    from interop.gguf_export import export_gguf
+    from jgptq_torch.export.gguf.export import export_gguf
 
     arch, train_cfg = lm.MODELS[name]
     model, info = lm.trained_model(splits, digest, args.cache_dir, steps=args.train_steps, arch=arch,
@@ -319,7 +319,7 @@ def main(argv=None):
     import torch
 
     from benchmarks.quality import corpus, llama_side, lm
-    from interop import llama_logits
+    from jgptq_torch.cli import llama_logits
 
     if not llama_logits.available():
         raise SystemExit("target_bpw needs llama-cpp-python (the llama_cpp package)")

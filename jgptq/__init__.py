@@ -21,7 +21,7 @@
 
 The pure JAX functions live in the submodules: :mod:`jgptq.hessian`, :mod:`jgptq.gptq`,
 :mod:`jgptq.quantizers`, :mod:`jgptq.ggml`, :mod:`jgptq.parallel`, :mod:`jgptq.flax`, :mod:`jgptq.export`; the
-``jgptq`` command line is :mod:`jgptq.cli`.
+``jgptq`` command line is :mod:`jgptq_torch.cli.main`.
 """
 
 from jgptq.version import __version__
@@ -59,27 +59,27 @@ _disable_preallocation()
 
 # public name -> the module that defines it (imported on first access)
 _PUBLIC = {
-    "quantize_moe": "interop.layerwise",
-    "export_model": "interop.export",
-    "export_gguf": "interop.gguf_export",
-    "export_imatrix": "interop.gguf_export",
-    "check_exportable": "interop.gguf_export",
-    "GGUFSink": "interop.gguf_stream",
-    "evaluate": "interop.evaluate",
+    "quantize_moe": "jgptq_torch.pipeline.layerwise",
+    "export_model": "jgptq_torch.export.checkpoint",
+    "export_gguf": "jgptq_torch.export.gguf.export",
+    "export_imatrix": "jgptq_torch.export.gguf.export",
+    "check_exportable": "jgptq_torch.export.gguf.export",
+    "GGUFSink": "jgptq_torch.export.gguf.stream",
+    "evaluate": "jgptq_torch.cli.evaluate",
     "Evaluation": "jgptq.evaluation",
     "EvaluationError": "jgptq.evaluation",
-    "load_layer": "interop.layer_files",
-    "reload_all": "interop.layer_files",
-    "QuantizeResult": "interop.report",
-    "Report": "interop.report",
+    "load_layer": "jgptq_torch.pipeline.layer_files",
+    "reload_all": "jgptq_torch.pipeline.layer_files",
+    "QuantizeResult": "jgptq_torch.report",
+    "Report": "jgptq_torch.report",
     "QuantConfig": "jgptq.config",
     "MoEConfig": "jgptq.config",
     "PipelineConfig": "jgptq.config",
-    "UnsupportedModelError": "interop.models",
-    "ResumeMismatchError": "interop.resume",
-    "DeviceBudgetError": "interop.offload",
-    "ExportError": "interop.export",
-    "UnsupportedGGUFModel": "interop.gguf_arch",
+    "UnsupportedModelError": "jgptq_torch.models",
+    "ResumeMismatchError": "jgptq_torch.pipeline.resume",
+    "DeviceBudgetError": "jgptq_torch.pipeline.offload",
+    "ExportError": "jgptq_torch.export.checkpoint",
+    "UnsupportedGGUFModel": "jgptq_torch.export.gguf.arch",
 }
 _TORCH_SIDE = ("torch", "transformers", "tokenizers")
 

@@ -4,7 +4,7 @@ A run with ``PipelineConfig.target_bpw`` quantizes every *group* of matrices (al
 projection, which loaders store as one tensor of one type, or one linear module) with one of several candidate
 formats. Each candidate ``f`` of group ``g`` has an exact size ``size_g(f)`` in bits (as the exporters write it)
 and a measured cost ``cost_g(f)`` (the gain-weighted output error of the group's matrices under ``f``, measured by
-:mod:`interop.sensitivity`). The allocation minimises ``sum_g cost_g(f_g)`` subject to
+:mod:`jgptq_torch.pipeline.sensitivity`). The allocation minimises ``sum_g cost_g(f_g)`` subject to
 ``sum_g size_g(f_g) <= budget``: a multiple-choice knapsack.
 
 - :func:`allocate` is the solver the pipeline uses. Small problems (at most ``exact_choices`` combinations, the

@@ -191,7 +191,7 @@ class PipelineConfig:
         the output head are always excluded.
       keep_hessians: keep every finalized Hessian in the result (memory: C^2 floats each), for analysis.
       progress: show progress bars.
-      offload: where decoder layers live while others are processed (:mod:`interop.offload`): ``"none"`` (where
+      offload: where decoder layers live while others are processed (:mod:`jgptq_torch.pipeline.offload`): ``"none"`` (where
         they are; a layer not on the run device visits it while processed), ``"cpu"`` (in host memory, one at a
         time on the device) or ``"disk"`` (in one safetensors file per layer; host memory holds one layer).
       offload_dir: the folder of the layer files (``offload="disk"``; default: a temporary folder).
@@ -224,7 +224,7 @@ class PipelineConfig:
         fallback is recorded in the report's warnings.
       target_bpw: bits per weight of the decoder layers' target tensors (None: off): each group (a layer's
         experts of one projection, or one linear module) gets the candidate format that minimises the measured,
-        gain-weighted output error under the budget (:mod:`jgptq.allocate`, :mod:`interop.sensitivity`);
+        gain-weighted output error under the budget (:mod:`jgptq.allocate`, :mod:`jgptq_torch.pipeline.sensitivity`);
         ``formats`` and ``exclude`` still fix what they match (fixed costs). Not with ``mix``.
       target_formats: the candidates (GGML names, or ``"int2"`` .. ``"int8"``); empty: the run's default family.
       target_gain: ``"fisher"`` (output-gradient weight of each matrix) or ``"one"`` (unweighted GPTQ losses).

@@ -13,8 +13,8 @@ its second half: the logits at positions ``first = n_ctx // 2 .. n_ctx - 2``, pr
 
 Every quantity here is computed in float64 numpy from the runtimes' float32 logits (llama.cpp keeps the
 reference's log-probabilities in 16-bit form; float64 avoids that rounding). This module is pure numpy: the
-runtimes that produce the logits (torch, llama.cpp) live in :mod:`interop.evaluate` and
-:mod:`interop.llama_logits`, and :func:`jgptq.evaluate` runs the whole comparison.
+runtimes that produce the logits (torch, llama.cpp) live in :mod:`jgptq_torch.cli.evaluate` and
+:mod:`jgptq_torch.cli.llama_logits`, and :func:`jgptq.evaluate` runs the whole comparison.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Statistics of a layer's inputs as pairs of pure functions, chained by a capture (the optax way).
 
 A :class:`Statistic` is ``init(columns, entries, device) -> state``, ``update(state, x, mask, index) -> state`` and
-``finalize(state) -> result``. A capture (the torch one, :class:`interop.capture.Collector`) holds a chain of named
+``finalize(state) -> result``. A capture (the torch one, :class:`jgptq_torch.pipeline.capture.Collector`) holds a chain of named
 statistics and applies each to every input it sees; it knows nothing of what they compute.
 
 - :func:`hessian_sum`: GPTQ's float32 sum of X^T X and token count (:mod:`jgptq.hessian`); finalized to

@@ -1,8 +1,7 @@
 """The package boundary, read from the source with ``ast`` (nothing is imported).
 
-- ``jgptq`` never imports torch or transformers, and reaches ``interop`` only through its lazy face (the module
-  ``__getattr__`` of ``jgptq/__init__.py``) and the command-line entry (``jgptq.cli.main`` calling
-  ``interop.command``);
+- ``jgptq`` never imports torch or transformers, and reaches the torch side ``jgptq_torch`` only through its lazy
+  face (the module ``__getattr__`` of ``jgptq/__init__.py``); the command line is part of the torch side;
 - no module of either package imports the face ``jgptq`` itself (the package ``__init__``): they import the
   submodules they use, so the face can import them without a loop;
 - the module-level imports form no cycle, and no cycle crosses the two packages even counting the imports made
@@ -17,11 +16,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jgptq", "interop")
+PACKAGES = ("jgptq", "jgptq_torch")
 TORCH_SIDE = ("torch", "transformers")
 FACE_TABLE = "_PUBLIC"   # in jgptq/__init__.py: public name -> module, imported by the face's __getattr__
-# (importing module, function) -> the interop modules it may import there
-INTEROP_DOORS = {("jgptq.cli", "main"): {"interop.command"}}
 
 
 class Import(NamedTuple):
@@ -100,13 +97,12 @@ def test_jgptq_never_imports_the_torch_side():
     assert not bad, "\n".join(bad)
 
 
-def test_jgptq_reaches_interop_only_through_its_face_and_the_command_line():
+def test_jgptq_reaches_the_torch_side_only_through_its_face():
     bad = [f"{_where(i)} imports {i.target}" for i in all_imports()
-           if _top(i.source) == "jgptq" and _top(i.target) == "interop"
-           and i.target not in INTEROP_DOORS.get((i.source, i.function), ())
+           if _top(i.source) == "jgptq" and _top(i.target) == "jgptq_torch"
            and (i.source, i.function) != ("jgptq", "__getattr__")]
     assert not bad, "\n".join(bad)
-    assert {i.target for i in face_imports()} >= {"interop.layerwise", "interop.export", "jgptq.config"}
+    assert {i.target for i in face_imports()} >= {"jgptq_torch.pipeline.layerwise", "jgptq_torch.export.checkpoint", "jgptq.config"}
 
 
 def test_no_module_imports_the_face():

@@ -1,10 +1,10 @@
-"""The device budget in plain numbers (interop.budget): the estimated need of a layer from its shapes (closed forms
+"""The device budget in plain numbers (jgptq_torch.pipeline.budget): the estimated need of a layer from its shapes (closed forms
 worked by hand below), whether moves run beside the work, the worst layer and its record, and the exact messages of
 a run over the budget."""
 
 import pytest
 
-from interop.budget import Budget, DeviceBudgetError, LayerNeed, Verdict, estimate_need
+from jgptq_torch.pipeline.budget import Budget, DeviceBudgetError, LayerNeed, Verdict, estimate_need
 
 KB = 1000
 LAYER = 1000                                  # parameter bytes of each of three layers

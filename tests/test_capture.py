@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from interop import capture, experts_capture, models
+from jgptq_torch.pipeline import capture
+from jgptq_torch.pipeline import experts_capture
+from jgptq_torch import models
 from jgptq import statistics
 from tests.tiny_models import build, token_ids
 

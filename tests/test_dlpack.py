@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop.dlpack import buffer_pointer, to_jax, to_torch
+from jgptq_torch.dlpack import buffer_pointer, to_jax, to_torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int32, torch.bool]
 

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.llama_cpp
 
 import jgptq  # noqa: E402
-from interop import llama_logits  # noqa: E402
-from interop.evaluate import MIXED_RUNTIMES  # noqa: E402
+from jgptq_torch.cli import llama_logits  # noqa: E402
+from jgptq_torch.cli.evaluate import MIXED_RUNTIMES  # noqa: E402
 from tests.test_evaluation import direct_kl  # noqa: E402
 
 TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128)
@@ -25,7 +25,7 @@ TEXT = "A held-out paragraph, long enough for a few windows of sixty-four bytes 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The float folder (byte tokenizer), its F32 GGUF with the vocabulary, and llama.cpp's Q4_0 of that GGUF."""
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     root = tmp_path_factory.mktemp("evalgguf")
     model, tok = tiny_moe(1, 0, **TINY), byte_tokenizer()

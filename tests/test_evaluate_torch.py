@@ -22,7 +22,7 @@ def folders(tmp_path_factory):
     """{"float": a 1-layer tiny Qwen3-MoE folder with a byte tokenizer, "quantized": its RTN 4-bit
     compressed-tensors export}."""
     pytest.importorskip("compressed_tensors")
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     root = tmp_path_factory.mktemp("eval")
     model = tiny_moe(1, 0, **TINY)
@@ -80,7 +80,7 @@ def test_the_quantized_export_against_its_float_model(folders):
 
 
 def test_a_tokenizer_that_adds_bos_starts_every_window_with_it():
-    from interop.evaluate import _token_stream
+    from jgptq_torch.cli.evaluate import _token_stream
 
     class Tokenizer:
         bos_token_id = 1
@@ -125,4 +125,4 @@ def test_evaluate_is_reachable_without_torch():
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["interop.evaluate", "jgptq.evaluation"]
+    assert done.stdout.split() == ["jgptq_torch.cli.evaluate", "jgptq.evaluation"]

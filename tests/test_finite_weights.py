@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import jgptq
-from interop import layerwise
-from interop.weight_checks import CorruptWeightsError, nonfinite_weights
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.pipeline.weight_checks import CorruptWeightsError, nonfinite_weights
 from tests.tiny_models import build, token_ids
 
 CALIB = token_ids(4, 32, seed=1)
@@ -77,7 +77,7 @@ def test_excluded_weights_are_not_scanned_and_long_lists_are_cut():
 
 
 def test_finite_weights_whose_sum_overflows_are_not_reported():
-    from interop import models
+    from jgptq_torch import models
 
     model = build("qwen3_moe").to(torch.bfloat16)
     big = torch.finfo(torch.bfloat16).max

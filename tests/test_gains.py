@@ -1,12 +1,12 @@
-"""interop.gains: the Fisher gain of each matrix against gradients taken by plain torch autograd on every
+"""jgptq_torch.pipeline.gains: the Fisher gain of each matrix against gradients taken by plain torch autograd on every
 intermediate output (an experts forward written out here, expert by expert, with retain_grad)."""
 
 import numpy as np
 import torch
 from torch import nn
 
-from interop.calib import Batch
-from interop.gains import draw_labels, fisher_gains
+from jgptq_torch.pipeline.calib import Batch
+from jgptq_torch.pipeline.gains import draw_labels, fisher_gains
 from tests.tiny_models import build, token_ids
 
 

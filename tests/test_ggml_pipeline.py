@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import jgptq
-from interop import importance, layerwise, resume, run_setup
+from jgptq_torch.pipeline import importance
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.pipeline import resume
+from jgptq_torch.pipeline import run_setup
 from jgptq import bucket, mixes, plan
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import jgptq
-from interop.models import UnsupportedModelError
+from jgptq_torch.models import UnsupportedModelError
 from jgptq.export import QuantizedWeight
 from tests.tiny_models import build, next_token_kl, token_ids
 
@@ -191,7 +191,7 @@ def test_bad_inputs_get_clear_errors():
 
 
 def test_calibration_forms_and_padding():
-    from interop import calib
+    from jgptq_torch.pipeline import calib
 
     class Tok:
         pad_token_id = 7
@@ -244,7 +244,8 @@ def test_same_weights_with_one_and_four_devices(tmp_path):
 def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
     """The first layer's solve programs are compiled on a background thread during its calibration (on
     accelerators; forced here): the solve then compiles nothing new, and the bytes are those of a run without."""
-    from interop import layerwise, solve
+    from jgptq_torch.pipeline import layerwise
+    from jgptq_torch.pipeline import solve
     from jgptq.parallel import engine
     from tests.cli import test_resume as resume_tests
 

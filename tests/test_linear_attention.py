@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from interop import models
+from jgptq_torch import models
 
 transformers = pytest.importorskip("transformers")
 

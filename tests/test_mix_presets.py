@@ -78,9 +78,10 @@ def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     pytest.importorskip("llama_cpp")
     gguf = pytest.importorskip("gguf")
     from benchmarks.quality import llama_side
-    from interop import layerwise, run_setup
-    from interop.gguf_arch import gguf_names
-    from interop.gguf_export import export_gguf
+    from jgptq_torch.pipeline import layerwise
+    from jgptq_torch.pipeline import run_setup
+    from jgptq_torch.export.gguf.arch import gguf_names
+    from jgptq_torch.export.gguf.export import export_gguf
     from jgptq import PipelineConfig
 
     model = _tiny_qwen3_moe(*shape)

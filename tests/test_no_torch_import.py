@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import importlib, pkgutil, sys
-FORBIDDEN = ("torch", "transformers", "interop")
+FORBIDDEN = ("torch", "transformers", "jgptq_torch")
 def loaded():
     return sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN))
 import jgptq
@@ -34,25 +34,25 @@ sys.exit(1 if culprits else 0)
 
 # What the face promises: public name -> (module, attribute) it stands for.
 FACE = {
-    "quantize_moe": ("interop.layerwise", "quantize_moe"),
-    "export_model": ("interop.export", "export_model"),
-    "export_gguf": ("interop.gguf_export", "export_gguf"),
-    "export_imatrix": ("interop.gguf_export", "export_imatrix"),
-    "check_exportable": ("interop.gguf_export", "check_exportable"),
-    "load_layer": ("interop.offload", "load_layer"),
-    "reload_all": ("interop.offload", "reload_all"),
-    "QuantizeResult": ("interop.report", "QuantizeResult"),
-    "Report": ("interop.report", "Report"),
+    "quantize_moe": ("jgptq_torch.pipeline.layerwise", "quantize_moe"),
+    "export_model": ("jgptq_torch.export.checkpoint", "export_model"),
+    "export_gguf": ("jgptq_torch.export.gguf.export", "export_gguf"),
+    "export_imatrix": ("jgptq_torch.export.gguf.export", "export_imatrix"),
+    "check_exportable": ("jgptq_torch.export.gguf.export", "check_exportable"),
+    "load_layer": ("jgptq_torch.pipeline.offload", "load_layer"),
+    "reload_all": ("jgptq_torch.pipeline.offload", "reload_all"),
+    "QuantizeResult": ("jgptq_torch.report", "QuantizeResult"),
+    "Report": ("jgptq_torch.report", "Report"),
     "QuantConfig": ("jgptq.config", "QuantConfig"),
     "MoEConfig": ("jgptq.config", "MoEConfig"),
     "PipelineConfig": ("jgptq.config", "PipelineConfig"),
-    "UnsupportedModelError": ("interop.models", "UnsupportedModelError"),
-    "ResumeMismatchError": ("interop.resume", "ResumeMismatchError"),
-    "DeviceBudgetError": ("interop.offload", "DeviceBudgetError"),
-    "ExportError": ("interop.export", "ExportError"),
-    "UnsupportedGGUFModel": ("interop.gguf_arch", "UnsupportedGGUFModel"),
-    "GGUFSink": ("interop.gguf_stream", "GGUFSink"),
-    "evaluate": ("interop.evaluate", "evaluate"),
+    "UnsupportedModelError": ("jgptq_torch.models", "UnsupportedModelError"),
+    "ResumeMismatchError": ("jgptq_torch.pipeline.resume", "ResumeMismatchError"),
+    "DeviceBudgetError": ("jgptq_torch.pipeline.offload", "DeviceBudgetError"),
+    "ExportError": ("jgptq_torch.export.checkpoint", "ExportError"),
+    "UnsupportedGGUFModel": ("jgptq_torch.export.gguf.arch", "UnsupportedGGUFModel"),
+    "GGUFSink": ("jgptq_torch.export.gguf.stream", "GGUFSink"),
+    "evaluate": ("jgptq_torch.cli.evaluate", "evaluate"),
     "Evaluation": ("jgptq.evaluation", "Evaluation"),
     "EvaluationError": ("jgptq.evaluation", "EvaluationError"),
 }

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import jgptq
-from interop import layerwise, offload
-from interop.offload import DeviceBudgetError
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.pipeline import offload
+from jgptq_torch.pipeline.offload import DeviceBudgetError
 from tests.cli import test_resume as resume_tests
 from tests.tiny_models import build
 

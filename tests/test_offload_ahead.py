@@ -1,4 +1,4 @@
-"""Layer moves that run beside the work (interop.moves), turned on for the CPU here (on by default on CUDA): the
+"""Layer moves that run beside the work (jgptq_torch.pipeline.moves), turned on for the CPU here (on by default on CUDA): the
 bytes are those of an un-offloaded run, at most the layers before and after the current one are on the device
 with it, the booking counts them, a budget without room for them turns the moves in line again, and a move's
 error stops the run with the model whole again."""
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import jgptq
-from interop import layerwise, offload
-from interop.moves import Evacuation, Moves
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.pipeline import offload
+from jgptq_torch.pipeline.moves import Evacuation, Moves
 from tests.cli import test_resume as resume_tests
 from tests.test_offload import CALIB, LAYERS, OPTS, own_bytes, six_layers
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from interop.report import Report
+from jgptq_torch.report import Report
 from jgptq import MoEConfig, PipelineConfig, QuantConfig
 
 

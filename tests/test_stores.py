@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop.stores import _HostCopies
+from jgptq_torch.pipeline.stores import _HostCopies
 
 
 def _arrays(device):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import jgptq
-from interop import gains, sensitivity
+from jgptq_torch.pipeline import gains
+from jgptq_torch.pipeline import sensitivity
 from jgptq.export import GGMLWeight
 from tests.tiny_models import build, token_ids
 
@@ -88,7 +89,7 @@ def test_a_resumed_run_takes_the_allocation_over_and_writes_the_same_bytes(gptq_
 def test_the_gguf_file_holds_the_chosen_types_and_the_allocation(gptq_run, tmp_path):
     import gguf
 
-    from interop.gguf_export import gguf_names
+    from jgptq_torch.export.gguf.export import gguf_names
 
     _, model, result, _ = gptq_run
     path = jgptq.export_gguf(model, result, tmp_path / "target.gguf", float_type="f32")
@@ -157,7 +158,7 @@ def test_a_target_below_every_candidate_is_refused_before_any_work(monkeypatch):
 
 
 def test_the_report_shows_the_allocation_as_a_table_and_bits_per_layer():
-    from interop.report import Report
+    from jgptq_torch.report import Report
 
     groups = [{"layer": 0, "name": "self_attn.q_proj", "format": "q8_0", "bpw": 8.5, "bytes": 4352,
                "costs": {"q4_0": 2.0, "q8_0": 0.25}},
@@ -185,7 +186,7 @@ def test_the_report_shows_the_allocation_as_a_table_and_bits_per_layer():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_cuda_a_model_in_host_memory_gets_its_gains_on_the_device_and_its_budget(monkeypatch):
-    from interop.calib import Batch
+    from jgptq_torch.pipeline.calib import Batch
 
     wide = dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=256)
     model = build("qwen3_moe", **wide)

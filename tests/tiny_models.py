@@ -1,4 +1,4 @@
-"""Tiny random transformers models of several families (CPU, float32) and helpers for the interop tests."""
+"""Tiny random transformers models of several families (CPU, float32) and helpers for the torch-side tests."""
 
 import torch
 

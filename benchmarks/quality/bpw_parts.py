@@ -3,7 +3,7 @@ the sensitivity-proxy calibration, and a KL-against-size chart.
 
 - :func:`quantized_bits`: bits and weights of the tensors a GGUF holds in a GGML block format (not F32/F16).
 - :func:`assemble`: a result-like object whose every quantized parameter comes from the run of the format an
-  allocation gives it, for :func:`interop.gguf_export.export_gguf` (one file per random allocation without a new
+  allocation gives it, for :func:`jgptq_torch.export.gguf.export.export_gguf` (one file per random allocation without a new
   quantization run).
 - :func:`param_losses`: per model parameter, the sum of the solver's GPTQ losses of its matrices (experts summed).
 - :func:`spearman`: rank correlation with average ranks for ties.

@@ -13,7 +13,7 @@ from benchmarks.quality.llama_side import read_imatrix
 
 def gguf_imatrix(model, imatrix: dict) -> dict:
     """{GGUF tensor name: ImatrixEntry} from {model parameter name: ImatrixEntry}."""
-    from interop.gguf_export import gguf_names
+    from jgptq_torch.export.gguf.export import gguf_names
 
     names = gguf_names(model)
     out = {}
@@ -31,7 +31,7 @@ def gguf_imatrix(model, imatrix: dict) -> dict:
 def write_gguf_imatrix(model, imatrix: dict, path: str) -> str:
     """Writes the statistic as a GGUF imatrix file with GGUF tensor names (the exporter's writer when it has one)."""
     try:
-        from interop.gguf_export import export_imatrix
+        from jgptq_torch.export.gguf.export import export_imatrix
     except ImportError:
         export_imatrix = None
     if export_imatrix is not None:

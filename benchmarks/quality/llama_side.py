@@ -8,7 +8,7 @@
 - :func:`tensor_types` / :func:`weight_bits`: what a GGUF holds, read back with ``gguf.GGUFReader``.
 
 Running the files (every position's logits of every window, each from an empty context) is the library's
-:mod:`interop.llama_logits`; the statistics are :mod:`jgptq.evaluation`.
+:mod:`jgptq_torch.cli.llama_logits`; the statistics are :mod:`jgptq.evaluation`.
 """
 
 from __future__ import annotations

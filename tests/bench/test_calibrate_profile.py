@@ -4,7 +4,9 @@ afterwards, and profiles each offload mode asked for."""
 import json
 
 from benchmarks import calibrate_profile
-from interop import capture, experts_capture, layerwise
+from jgptq_torch.pipeline import capture
+from jgptq_torch.pipeline import experts_capture
+from jgptq_torch.pipeline import layerwise
 from jgptq import hessian
 
 

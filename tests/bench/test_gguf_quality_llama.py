@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 
 from benchmarks.anchors import llama_cpp as oracle  # noqa: E402
 from benchmarks.quality import llama_side  # noqa: E402
-from interop import llama_logits  # noqa: E402
+from jgptq_torch.cli import llama_logits  # noqa: E402
 
 E, FF, HEADS, KV, V = 256, 512, 4, 2, 256
 WEIGHTS = {"blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (E // HEADS * KV, E),

@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIB = ROOT / "jgptq" / "data" / "calibration.txt"
 TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128)
 KILL_AFTER = """
 import os, signal, sys
-from interop import resume
+from jgptq_torch.pipeline import resume
 original = resume.Checkpoint.save_layer
 def save_layer(self, i, *args):
     original(self, i, *args)
     if i == {layer}:
         os.kill(os.getpid(), signal.SIGKILL)
 resume.Checkpoint.save_layer = save_layer
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -33,7 +33,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny 3-layer Qwen3-MoE with random weights and a byte-level tokenizer, saved as transformers saves it."""
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     d = tmp_path_factory.mktemp("model")
     tiny_moe(3, 0, **TINY).save_pretrained(d)
@@ -50,7 +50,7 @@ def env(tmp_path_factory):
 
 
 def cli(env, *args, script=None, timeout=300):
-    cmd = [sys.executable, "-c", script] if script else [sys.executable, "-m", "jgptq"]
+    cmd = [sys.executable, "-c", script] if script else [sys.executable, "-m", "jgptq_torch"]
     return subprocess.run(cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
 
@@ -70,7 +70,7 @@ def test_version_help_and_no_torch_at_import(env):
     assert cli(env, "--version").stdout.strip() == f"jgptq {__version__}"
     out = cli(env, "quantize", "--help").stdout
     assert all(opt in out for opt in ("--resume, --no-resume", "--calibration", "--act-order", "--export"))
-    probe = ("import sys, jgptq.cli; jgptq.cli.build_parser(); "
+    probe = ("import sys, jgptq_torch.cli.main; jgptq_torch.cli.main.build_parser(); "
              "print(sorted(m for m in ('torch', 'jax', 'transformers') if m in sys.modules))")
     assert cli(env, script=probe).stdout.strip() == "[]"
 
@@ -87,7 +87,7 @@ def test_formats_the_exporter_cannot_hold(model_dir, tmp_path, capsys, extra, me
 
 
 def test_bad_inputs_get_clear_errors_and_nothing_is_written(model_dir, tmp_path, capsys):
-    from interop.export import gguf_available
+    from jgptq_torch.export.checkpoint import gguf_available
 
     def fails(args, message):
         before = tree(tmp_path)
@@ -102,7 +102,7 @@ def test_bad_inputs_get_clear_errors_and_nothing_is_written(model_dir, tmp_path,
     (tmp_path / "bin" / "config.json").write_text("{}")
     fails(quantize_args(tmp_path / "bin", out), "holds no .safetensors weights")
     if not gguf_available():
-        fails(quantize_args(model_dir, out, "--export", "gguf"), "interop.gguf_export")
+        fails(quantize_args(model_dir, out, "--export", "gguf"), "jgptq_torch.export.gguf.export")
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"earlier work")
     fails(quantize_args(model_dir, out), "already exists; pass --overwrite")
@@ -159,8 +159,9 @@ def test_demo_runs_offline_and_gptq_beats_round_to_nearest(env, tmp_path):
 
 
 def test_ggml_options_make_the_pipeline_config(monkeypatch):
-    from interop import command, export
-    from jgptq.cli import build_parser
+    from jgptq_torch.cli import command
+    from jgptq_torch.export import checkpoint as export
+    from jgptq_torch.cli.main import build_parser
 
     def parsed(*extra):
         return build_parser().parse_args(["quantize", "m", "--calib", "c", "--out", "o", *extra])
@@ -185,8 +186,8 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
 
 
 def test_option_defaults_are_the_config_defaults():
-    from interop import command
-    from jgptq.cli import build_parser
+    from jgptq_torch.cli import command
+    from jgptq_torch.cli.main import build_parser
     from jgptq.config import PipelineConfig
 
     args = build_parser().parse_args(["quantize", "m", "--calib", "c", "--out", "o"])
@@ -228,7 +229,7 @@ def test_progress_in_a_log_file_is_one_line_per_layer(model_dir, env, tmp_path):
             if a != "--quiet"]
     log = tmp_path / "stderr.log"
     with log.open("w") as err:   # a file, not a terminal
-        done = subprocess.run([sys.executable, "-m", "jgptq", *map(str, args)], env=env, stdout=subprocess.PIPE,
+        done = subprocess.run([sys.executable, "-m", "jgptq_torch", *map(str, args)], env=env, stdout=subprocess.PIPE,
                               stderr=err, text=True, timeout=300, cwd=ROOT)
     text = log.read_text()
     assert done.returncode == 0, text[-3000:]
@@ -242,7 +243,7 @@ def test_progress_in_a_log_file_is_one_line_per_layer(model_dir, env, tmp_path):
 def test_progress_on_a_terminal_names_the_stage(monkeypatch):
     import io
 
-    from interop.progress import LayerProgress
+    from jgptq_torch.progress import LayerProgress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -259,7 +260,7 @@ def test_progress_on_a_terminal_names_the_stage(monkeypatch):
 
 
 def test_gptq_names_modules_reaches_the_exporter(model_dir, tmp_path, monkeypatch):
-    from interop import export
+    from jgptq_torch.export import checkpoint as export
 
     calls = []
     original = export.module_keys

@@ -3,7 +3,7 @@ safetensors file that is not one, so any attempt to load the tokenizer or the mo
 
 import pytest
 
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_gptq_names_on_another_export_is_refused_up_front(unloadable, capsys):
 
 
 def test_export_format_rule_is_one_function_the_library_shares():
-    from interop.export import ExportError, check_format
+    from jgptq_torch.export.checkpoint import ExportError, check_format
     from jgptq.config import QuantConfig
 
     with pytest.raises(ExportError, match=r"^GGUF export needs a GGML format, not 'int'"):
@@ -84,8 +84,8 @@ def test_options_are_checked_before_the_model_is_loaded(unloadable, capsys):
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_traceback_is_accepted_before_or_after_the_subcommand(unloadable, where):
-    from interop.export import ExportError
-    from jgptq.cli import build_parser
+    from jgptq_torch.export.checkpoint import ExportError
+    from jgptq_torch.cli.main import build_parser
 
     args = ["quantize", unloadable / "model", "--calib", unloadable / "calib.txt", "--out", unloadable / "o.gguf",
             "--export", "gguf"]
@@ -118,7 +118,7 @@ def test_resume_refusal_names_the_settings_that_differ(tmp_path):
 
     import torch
 
-    from interop import resume
+    from jgptq_torch.pipeline import resume
     from jgptq.config import PipelineConfig
     from tests.tiny_models import build
 
@@ -147,7 +147,7 @@ def test_each_warning_is_shown_once(tmp_path, capsys):
     import json
 
     from tests.cli.test_cli import CALIB
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     model = tmp_path / "model"
     tiny_moe(2, 0, hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128).save_pretrained(model)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ TEXT = "Held-out prose for the command line: the quick brown fox jumps over the 
 def folders(tmp_path_factory):
     """A float tiny Qwen3-MoE folder with a byte tokenizer, a copy with perturbed weights (no tokenizer), and a
     text file."""
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     root = tmp_path_factory.mktemp("evalcli")
     model = tiny_moe(1, 0, **TINY)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jgptq
-from interop.export import ExportError, checkpoint_state, export_model, gguf_available
+from jgptq_torch.export.checkpoint import ExportError, checkpoint_state, export_model, gguf_available
 from tests.export.test_gptq_v1 import decode_gptq, read_checkpoint
 from tests.tiny_models import build, token_ids
 
@@ -124,7 +124,7 @@ def test_gptq_v1_round_trip_with_act_order_and_asymmetric_grids(tmp_path):
 
 
 def test_refusals_name_the_rule_and_write_nothing(tmp_path):
-    from interop.report import QuantizeResult
+    from jgptq_torch.report import QuantizeResult
     from jgptq.config import PipelineConfig
 
     from jgptq.export import QuantizedWeight
@@ -146,7 +146,7 @@ def test_refusals_name_the_rule_and_write_nothing(tmp_path):
     with pytest.raises(ExportError, match="one fused tensor"):   # as gpt_oss checkpoints store experts
         export_model(model, changed({"model.layers.0.mlp.experts.gate_up_proj": stack}), "gptq", tmp_path / "d")
     if not gguf_available():
-        with pytest.raises(ExportError, match="interop.gguf_export"):
+        with pytest.raises(ExportError, match="jgptq_torch.export.gguf.export"):
             export_model(model, result, "gguf", tmp_path / "e.gguf")
     existing = tmp_path / "f"
     existing.mkdir()
@@ -183,7 +183,7 @@ def test_a_checkpoint_that_does_not_decode_to_the_solved_weights_is_reported(tmp
 
 
 def test_reading_back_names_a_truncated_shard_and_a_missing_tensor(tmp_path):
-    from interop.export_check import check_written
+    from jgptq_torch.export.read_back import check_written
 
     model, result = run(scale_dtype="float16")
     out = tmp_path / "m"

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 from tests.cli.test_early_checks import refused, unloadable  # noqa: F401 - the fixture is used by name
 
 TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128)
@@ -17,7 +17,7 @@ TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_
 @pytest.fixture
 def byte_model(tmp_path, monkeypatch):
     """A tiny 2-layer Qwen3-MoE folder with the demo's byte tokenizer (one token per byte of ASCII text)."""
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     model = tmp_path / "model"
     tiny_moe(2, 0, **TINY).save_pretrained(model)
@@ -74,7 +74,7 @@ def test_text_that_is_mostly_control_characters_is_refused(unloadable, capsys): 
 
 
 def test_too_few_tokens_are_refused_or_warned_about_by_the_window_rule(byte_model, capsys, monkeypatch):
-    from interop.calib import window_shortfall
+    from jgptq_torch.pipeline.calib import window_shortfall
 
     no_model_load(monkeypatch)
     calib = byte_model / "calib.txt"
@@ -153,7 +153,7 @@ def header_of(raw: bytes) -> tuple:
 
 
 def test_safetensors_headers_are_checked_and_problems_named(tmp_path):
-    from interop.weight_checks import CorruptWeightsError, check_safetensors_files
+    from jgptq_torch.pipeline.weight_checks import CorruptWeightsError, check_safetensors_files
 
     f = tmp_path / "model.safetensors"
     raw = shard(f)
@@ -207,7 +207,7 @@ def test_a_corrupt_shard_is_refused_before_loading(unloadable, capsys):  # noqa:
 def test_demo_without_out_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    from interop import layerwise
+    from jgptq_torch.pipeline import layerwise
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()

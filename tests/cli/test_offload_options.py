@@ -1,12 +1,12 @@
 """The command line's offload options: parsed into the pipeline configuration, bad values and over-budget runs
 refused with a clear message before anything is written."""
 
-from jgptq.cli import build_parser, main
+from jgptq_torch.cli.main import build_parser, main
 from tests.cli.test_cli import model_dir, quantize_args, tree  # noqa: F401  (model_dir is a fixture)
 
 
 def test_offload_options_reach_the_pipeline_configuration():
-    from interop.command import build_config
+    from jgptq_torch.cli.command import build_config
 
     args = build_parser().parse_args(["quantize", "m", "--calib", "c.txt", "--out", "o", "--offload", "disk",
                                       "--offload-dir", "/data/layers", "--device-budget", "40GB"])

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from interop import calib
+from jgptq_torch.pipeline import calib
 from jgptq.plot import line_chart
 
 SVG = "{http://www.w3.org/2000/svg}"

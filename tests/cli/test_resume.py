@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import jgptq
-from interop import layerwise, resume
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.pipeline import resume
 from tests.tiny_models import build, token_ids
 
 CALIB = token_ids(8, 32, seed=1)

@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from interop.command import build_config, size_to_bpw
-from jgptq.cli import build_parser
+from jgptq_torch.cli.command import build_config, size_to_bpw
+from jgptq_torch.cli.main import build_parser
 from tests.cli.test_cli import cli, env, model_dir, quantize_args  # noqa: F401 - fixtures
 from tests.cli.test_early_checks import refused, unloadable  # noqa: F401 - the fixture
 
@@ -81,8 +81,8 @@ def test_a_target_size_run_writes_its_allocation_to_the_gguf_file_the_report_and
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from interop.gguf_export import gguf_names
-    from interop.sensitivity import target_weights
+    from jgptq_torch.export.gguf.export import gguf_names
+    from jgptq_torch.pipeline.sensitivity import target_weights
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     size = target_weights(model) * 6 // 8                        # 6 bits per weight

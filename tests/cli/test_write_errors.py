@@ -8,7 +8,7 @@ import pytest
 import safetensors.numpy
 import safetensors.torch
 
-from jgptq.cli import main
+from jgptq_torch.cli.main import main
 from tests.cli.test_cli import CALIB
 
 TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_size=128)
@@ -16,7 +16,7 @@ TINY = dict(hidden_size=64, head_dim=16, moe_intermediate_size=32, intermediate_
 
 @pytest.fixture
 def model_dir(tmp_path):
-    from interop.demo import byte_tokenizer, tiny_moe
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
 
     d = tmp_path / "model"
     tiny_moe(2, 0, **TINY).save_pretrained(d)
@@ -46,7 +46,7 @@ def full_disk_on(monkeypatch, module, part: str, error=None):
 
 def layers_run(monkeypatch) -> list:
     """The decoder layers the pipeline processes from now on (in order)."""
-    from interop import layerwise
+    from jgptq_torch.pipeline import layerwise
 
     seen, step = [], layerwise._layer_step
 
@@ -93,7 +93,7 @@ def test_full_disk_while_exporting_keeps_every_layer(model_dir, tmp_path, monkey
 
 
 def test_a_report_that_cannot_be_written(model_dir, tmp_path, monkeypatch, capsys):
-    from interop.report import Report
+    from jgptq_torch.report import Report
 
     out, work = tmp_path / "out", tmp_path / "out.jgptq-work"
 
@@ -112,8 +112,8 @@ def test_a_report_that_cannot_be_written(model_dir, tmp_path, monkeypatch, capsy
 def test_the_writers_name_the_file_for_either_kind_of_error(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    from interop.layer_files import write_layer
-    from interop.write_errors import WriteError, failure_message
+    from jgptq_torch.pipeline.layer_files import write_layer
+    from jgptq_torch.write_errors import WriteError, failure_message
     from tests.tiny_models import build
 
     layer = build("llama").model.layers[0]

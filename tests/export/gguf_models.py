@@ -52,7 +52,7 @@ def quantize_in_place(model, fmt: str) -> types.SimpleNamespace:
 
 def per_expert(model, result) -> types.SimpleNamespace:
     """The same records under the checkpoint keys of ``save_pretrained`` (per-expert names where it has them)."""
-    from interop import models
+    from jgptq_torch import models
 
     params = {}
     for name, rec in result.weights.items():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.anchors import llama_cpp
-from interop.gguf_export import export_gguf
+from jgptq_torch.export.gguf.export import export_gguf
 from jgptq import mixes
 from jgptq.config import PipelineConfig
 from jgptq.ggml import get_format

@@ -1,4 +1,4 @@
-"""interop.gguf_export: GGUF files of tiny models read back with gguf.GGUFReader and decoded with gguf.quants."""
+"""jgptq_torch.export.gguf.export: GGUF files of tiny models read back with gguf.GGUFReader and decoded with gguf.quants."""
 
 import functools
 import types
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from interop.gguf_arch import UnsupportedGGUFModel
-from interop.gguf_export import export_gguf, gguf_names
+from jgptq_torch.export.gguf.arch import UnsupportedGGUFModel
+from jgptq_torch.export.gguf.export import export_gguf, gguf_names
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from tests.export.gguf_models import field, per_expert, quantize_in_place, read, tiny
 from tests.tiny_models import build
@@ -206,7 +206,7 @@ def test_errors(tmp_path):
 
 
 def test_export_model_dispatch(tmp_path):
-    from interop.export import export_model
+    from jgptq_torch.export.checkpoint import export_model
 
     model, result = quantized("mixtral")
     out = export_model(model, result, "gguf", tmp_path / "folder")
@@ -216,8 +216,8 @@ def test_export_model_dispatch(tmp_path):
 
 
 def test_check_exportable():
-    from interop.demo import byte_tokenizer
-    from interop.gguf_export import check_exportable
+    from jgptq_torch.cli.demo import byte_tokenizer
+    from jgptq_torch.export.gguf.export import check_exportable
 
     check_exportable(build("qwen3_moe", vocab_size=256), byte_tokenizer())
     with pytest.raises(UnsupportedGGUFModel, match="supported model types"):

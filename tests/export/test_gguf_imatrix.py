@@ -1,10 +1,10 @@
-"""interop.gguf_export.export_imatrix: an imatrix keyed by parameter name, written under GGUF tensor names."""
+"""jgptq_torch.export.gguf.export.export_imatrix: an imatrix keyed by parameter name, written under GGUF tensor names."""
 
 import gguf
 import numpy as np
 import pytest
 
-from interop.gguf_export import export_imatrix, gguf_names
+from jgptq_torch.export.gguf.export import export_imatrix, gguf_names
 from tests.tiny_models import build
 
 imatrix = pytest.importorskip("jgptq.imatrix")
@@ -52,7 +52,7 @@ def test_errors(tmp_path):
 def test_entries_fit_the_model_tensors(tmp_path):
     """Every entry names a tensor of the model's GGUF file, with one row of sums per expert of its input width
     (what llama-quantize checks: size == ne0 * ne2)."""
-    from interop.gguf_export import export_gguf
+    from jgptq_torch.export.gguf.export import export_gguf
 
     model = build("mixtral")
     sd = model.state_dict()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from interop.gguf_export import export_gguf
+from jgptq_torch.export.gguf.export import export_gguf
 from tests.export.gguf_models import quantize_in_place, tiny
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -88,7 +88,7 @@ def _experts_forward(module, act):
 
 def torch_logits(model, ids=IDS, act=None) -> np.ndarray:
     """The torch model's logits; with ``act``, the inputs of every quantized matmul are rounded by it."""
-    from interop import models
+    from jgptq_torch import models
 
     hooks, patched = [], []
     if act is not None:

@@ -1,4 +1,4 @@
-"""interop.gguf_stream: the GGUF file written while quantize_moe runs is the file export_gguf writes afterwards."""
+"""jgptq_torch.export.gguf.stream: the GGUF file written while quantize_moe runs is the file export_gguf writes afterwards."""
 
 import copy
 import threading
@@ -6,9 +6,9 @@ import threading
 import pytest
 
 import jgptq
-from interop import layerwise
-from interop.gguf_export import export_gguf
-from interop.gguf_stream import GGUFSink
+from jgptq_torch.pipeline import layerwise
+from jgptq_torch.export.gguf.export import export_gguf
+from jgptq_torch.export.gguf.stream import GGUFSink
 from jgptq.export import gguf as writer_module
 from tests.export.gguf_models import tiny
 from tests.tiny_models import token_ids
@@ -87,7 +87,7 @@ def test_refusals(tmp_path):
 
 
 def test_edges_encoded_early_are_kept_only_when_the_run_chose_the_same(tmp_path, monkeypatch):
-    from interop import gguf_stream
+    from jgptq_torch.export.gguf import stream as gguf_stream
 
     encoded = []
     encode = gguf_stream.encode_edges

@@ -5,8 +5,8 @@ import functools
 import gguf
 import pytest
 
-from interop.gguf_export import export_gguf
-from interop.gguf_vocab import SPLIT_PATTERNS, vocab_metadata
+from jgptq_torch.export.gguf.export import export_gguf
+from jgptq_torch.export.gguf.vocab import SPLIT_PATTERNS, vocab_metadata
 from tests.tiny_models import build
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -102,7 +102,7 @@ def test_unsupported_tokenizers():
 def test_llama_cpp_tokenizes_like_transformers(pre, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     if pre == "bytes":  # the demo's tokenizer: one token per byte, no merges, no split pattern
-        from interop.demo import byte_tokenizer
+        from jgptq_torch.cli.demo import byte_tokenizer
 
         tok = byte_tokenizer()
         assert vocab_metadata(tok, 512)["tokenizer.ggml.pre"] == "gpt-2"

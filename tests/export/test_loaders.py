@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jgptq
-from interop.export import export_model
+from jgptq_torch.export.checkpoint import export_model
 from tests.tiny_models import build, next_token_kl, token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def run(family, **opts):
 
 def export(family, kind, out, names="checkpoint", **opts):
     """Exports a run; returns (float model, quantized model, the warnings' texts)."""
-    from interop.demo import byte_tokenizer
+    from jgptq_torch.cli.demo import byte_tokenizer
 
     reference, model, result = run(family, **opts)
     tokenizer = byte_tokenizer()          # GPTQModel.load reads a tokenizer and wants pad and eos tokens
@@ -141,7 +141,7 @@ def test_mixtral_gptq_export_under_module_names_warns_for_vllm_and_names_the_exp
 
 
 def test_module_names_are_refused_for_other_exports(tmp_path):
-    from interop.export import ExportError
+    from jgptq_torch.export.checkpoint import ExportError
 
     with pytest.raises(ExportError, match="names='modules' is for 'gptq' exports"):
         export("mixtral", "compressed-tensors", tmp_path / "m", names="modules", method="rtn")
@@ -162,7 +162,7 @@ def test_gptqmodel_load_reads_qwen3_moe_dense_and_mixtral_under_module_names(tmp
 
 
 def test_demo_does_not_reload_gptq_with_transformers(tmp_path):
-    from interop.demo import _reload_check
+    from jgptq_torch.cli.demo import _reload_check
 
     assert _reload_check(tmp_path, "gptq", None, None) == (
         "reload check: skipped (transformers' GPTQ loader would leave this MoE model's fused experts random; "

@@ -1,0 +1,319 @@
+"""``jgptq quantize``: a local transformers model folder in, a quantized checkpoint folder out.
+
+:mod:`jgptq_torch.cli.main` parses the options and enters the torch side through :func:`run` alone, which runs
+:func:`run_quantize`, ``jgptq demo`` (:func:`jgptq_torch.cli.demo.run_demo`) or ``jgptq eval``
+(:func:`jgptq_torch.cli.evaluate.run_eval`).
+
+Steps: check every input (model folder, calibration text, output, that the exporter can hold the format, the
+safetensors headers) before any work; load the tokenizer, cut the calibration text into windows and check their
+count (:func:`jgptq_torch.pipeline.calib.window_shortfall`); load the model (safetensors only; remote code only when asked);
+run :func:`jgptq_torch.pipeline.layerwise.quantize_moe` with its state in ``<OUT>.jgptq-work`` (a run killed
+part-way continues from its last finished layer when started again with the same arguments; ``--offload disk``
+puts the layer files in its ``offload`` folder unless ``--offload-dir`` says otherwise); export; write the
+report (``<OUT>.report.json``) and a per-layer loss chart (``<OUT>.loss.svg``) beside the output; remove the
+working folder. A failed write (a full disk) is one error naming the file and what the working folder keeps
+(:mod:`jgptq_torch.write_errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
+                                    paths_for)
+from jgptq.config import PipelineConfig, QuantConfig
+from jgptq.config import parse_size as config_size
+from jgptq.export.records import SCALE_DTYPES
+
+
+MIN_SEQ_LEN = 16   # tokens per calibration window below which attention sees too little context to calibrate
+
+
+def check_calibration_options(args) -> None:
+    """Refuses ``--samples`` / ``--seq-len`` values no run can use, before the tokenizer or model is loaded."""
+    if args.samples < 1:
+        raise CommandError(f"--samples {args.samples}: the number of calibration sequences must be at least 1 "
+                           f"(default: 128)")
+    if args.seq_len < MIN_SEQ_LEN:
+        raise CommandError(f"--seq-len {args.seq_len}: calibration windows need at least {MIN_SEQ_LEN} tokens "
+                           f"(default: 512)")
+
+
+def check_group_size(model_dir: Path, quant: QuantConfig, exclude) -> None:
+    """Refuses an integer-grid group size that does not divide the model's ``hidden_size`` (read from
+    config.json, without loading the model): the input width of the attention and expert projections.
+    Skipped with ``--exclude`` (those may leave such projections out) or when config.json names no width."""
+    if quant.is_ggml or quant.group_size == -1 or exclude:
+        return
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    width = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+    if not isinstance(width, int) or width % quant.group_size == 0:
+        return
+    fits = [g for g in (32, 64, 128) if width % g == 0]
+    hint = f"--group-size {fits[-1]}" if fits else "--group-size -1 (one scale per output row)"
+    raise CommandError(f"--group-size {quant.group_size} does not divide the model's hidden_size {width} "
+                       f"(config.json), the input width of its attention and expert projections; use {hint}")
+
+
+def build_config(args, dtype: str) -> PipelineConfig:
+    """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
+
+    Raises:
+      jgptq_torch.export.checkpoint.ExportError: a format the chosen exporter cannot hold; ValueError: an invalid option.
+    """
+    if args.export == "gptq":
+        scale_dtype = "float16"          # GPTQ v1 stores float16 scales
+    elif dtype in SCALE_DTYPES:
+        scale_dtype = dtype              # compressed-tensors: the model dtype, so loaders decode exactly
+    else:
+        scale_dtype = "float16"
+    fmt = args.format
+    mix = args.mix
+    target = target_options(args)
+    if target and args.export == "gguf" and fmt == "int":
+        fmt = "q4_k"   # a GGML run; the target gives every tensor its own format
+    if mix is not None and fmt == "int":
+        from jgptq.mixes import PRESETS
+
+        fmt = PRESETS[mix]
+    quant = QuantConfig(format=fmt, bits=args.bits, group_size=args.group_size, sym=args.sym,
+                        act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
+    from jgptq_torch.export.checkpoint import check_format
+
+    check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
+    if args.gptq_names != "checkpoint" and args.export != "gptq":
+        raise CommandError(f"--gptq-names {args.gptq_names} is for --export gptq (GPTQModel.load); {args.export} "
+                           f"checkpoints keep the names their loaders read")
+    rules = []
+    for text in args.tensor_format or ():
+        pattern, sep, name = text.rpartition("=")
+        if not sep or not pattern or not name:
+            raise CommandError(f"--tensor-format {text!r}: expected REGEX=FORMAT, e.g. 'v_proj$=q6_k'")
+        rules.append((pattern, name))
+    return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
+                                max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
+                                method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
+                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
+                                mix=mix, formats=tuple(rules), importance=args.importance,
+                                imatrix_source=args.imatrix_source, block_fallback=args.block_fallback, **target)
+
+
+# --target-size is a size in bytes: it becomes bits per weight once the model's weights are counted (after the
+# model is loaded); until then the config holds this placeholder, so that every other check runs before loading.
+_SIZE_PLACEHOLDER_BPW = 16.0
+
+
+def target_options(args) -> dict:
+    """The ``target_*`` config fields of ``--target-bpw``/``--target-size``/``--target-formats``/``--target-gain``
+    (empty without a target). Raises CommandError for a combination no run can use."""
+    bpw, size = getattr(args, "target_bpw", None), getattr(args, "target_size", None)
+    formats = tuple(f.strip() for f in (getattr(args, "target_formats", None) or "").split(",") if f.strip())
+    if bpw is not None and size is not None:
+        raise CommandError("--target-bpw and --target-size both set the budget; give one of them")
+    if bpw is None and size is None:
+        if formats:
+            raise CommandError("--target-formats needs a budget: --target-bpw BITS or --target-size SIZE")
+        return {}
+    flag = "--target-bpw" if bpw is not None else "--target-size"
+    if args.export != "gguf":
+        raise CommandError(f"{flag} gives tensors different formats, and a {args.export} checkpoint holds one bit "
+                           f"width for all; use --export gguf (GGML formats per tensor)")
+    if args.mix is not None:
+        raise CommandError(f"{flag} chooses every tensor's format and cannot be combined with --mix {args.mix}; fix "
+                           f"some tensors with --tensor-format REGEX=FORMAT instead")
+    if size is not None:
+        try:
+            if config_size(size) < 1:
+                raise ValueError
+        except ValueError:
+            raise CommandError(f"--target-size {size}: not a positive size such as 24GB or 500MiB") from None
+    return {"target_bpw": bpw if bpw is not None else _SIZE_PLACEHOLDER_BPW, "target_formats": formats,
+            "target_gain": args.target_gain}
+
+
+def size_to_bpw(model, size: str) -> float:
+    """Bits per weight of ``--target-size`` over the decoder-layer targets of ``model``."""
+    from jgptq_torch.pipeline.sensitivity import target_weights
+
+    return parse_size(size) * 8 / target_weights(model)
+
+
+@contextlib.contextmanager
+def warnings_once():
+    """Shows each warning raised inside once, as ``jgptq: warning: MESSAGE`` on stderr, as it comes (the library
+    warns through :mod:`warnings`, which would add the calling line); yields the list of messages shown, which the
+    final summary then leaves out. The warning filters stay as they are (``-W ignore`` still silences)."""
+    shown: list = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in shown:
+            shown.append(text)
+            print(f"jgptq: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield shown
+
+
+def layer_loss_chart(report, path, title: str) -> None:
+    """Writes an SVG chart of the mean and largest GPTQ loss of each layer of ``report``."""
+    import numpy as np
+
+    from jgptq.plot import line_chart
+
+    layers = sorted({r.layer for r in report.records})
+    mean, top = [], []
+    for layer in layers:
+        losses = [r.loss for r in report.records if r.layer == layer and np.isfinite(r.loss)]
+        mean.append(float(np.mean(losses)) if losses else float("nan"))
+        top.append(float(max(losses)) if losses else float("nan"))
+    try:
+        svg = line_chart({"mean": mean, "max": top}, x=layers, title=title, xlabel="decoder layer",
+                         ylabel="GPTQ loss per matrix", log_y=True)
+    except ValueError:  # nothing finite (a round-to-nearest run): no chart
+        return
+    Path(path).write_text(svg)
+
+
+def bits_chart(report, path, title: str) -> None:
+    """Writes an SVG chart of a target_bpw run's bits per weight per layer, one line per tensor group."""
+    from jgptq.plot import line_chart
+
+    series, layers = report.bits_by_layer()
+    if series:
+        Path(path).write_text(line_chart(series, x=layers, title=title, xlabel="decoder layer",
+                                         ylabel="bits per weight"))
+
+
+def run(args) -> int:
+    """Runs a parsed command line of :mod:`jgptq_torch.cli.main` (``args.command``: ``"quantize"``, ``"demo"`` or
+    ``"eval"``); returns the exit status. The command line's one door into the torch side."""
+    if args.command == "eval":
+        from jgptq_torch.cli.evaluate import run_eval
+
+        return run_eval(args)
+    if args.command == "demo":
+        from jgptq_torch.cli.demo import run_demo
+
+        return run_demo(args)
+    return run_quantize(args)
+
+
+def run_quantize(args) -> int:
+    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`)."""
+    t_start = time.perf_counter()
+    model_dir = check_model_dir(args.model_dir)
+    files = paths_for(args.out)
+    dtype = model_dtype(model_dir, args.dtype)
+    check_calibration_options(args)
+    cfg = build_config(args, dtype)
+    if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
+        cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
+    check_output(files["out"], args.overwrite)
+    max_shard = parse_size(args.max_shard_size)
+
+    from jgptq_torch.pipeline import calib as calib_mod
+
+    texts = calib_mod.read_texts(args.calib)
+    check_group_size(model_dir, cfg.quant, args.exclude)   # still before the tokenizer and the model are loaded
+    from jgptq_torch.pipeline.weight_checks import check_safetensors_files
+
+    check_safetensors_files(model_dir)                      # truncated or garbled files, named, before loading
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if args.quiet:
+        hf_logging.disable_progress_bar()
+
+    tok_dir = args.tokenizer or model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=args.trust_remote_code,
+                                                  local_files_only=True)
+    except Exception as exc:  # transformers raises several kinds here
+        raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
+                           f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
+    all_ids = calib_mod.text_tokens(texts, tokenizer)
+    shortfall = calib_mod.window_shortfall(all_ids.numel(), args.seq_len, args.samples, args.calib)
+    ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
+    log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
+
+    log(f"loading {model_dir} ({dtype})", args.quiet)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
+        trust_remote_code=args.trust_remote_code, local_files_only=True)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "target_size", None) is not None:
+        cfg = PipelineConfig.build(cfg, target_bpw=size_to_bpw(model, args.target_size))
+        log(f"--target-size {args.target_size}: {cfg.target_bpw:.4f} bits per weight", args.quiet)
+    if args.export == "gguf":  # refuse what the GGUF exporter cannot write before the run, not after it
+        from jgptq_torch.export.gguf.export import check_exportable
+
+        try:
+            check_exportable(model, tokenizer)
+        except NotImplementedError as exc:
+            raise CommandError(str(exc)) from exc
+
+    from jgptq_torch.export.checkpoint import export_model
+    from jgptq_torch.pipeline.layerwise import quantize_moe
+    from jgptq_torch.write_errors import WriteError, failure_message, writing
+
+    state = files["work"] / "state.json"
+    if state.exists() and args.resume:
+        import json
+
+        done = json.loads(state.read_text()).get("layers_done")
+        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
+            args.quiet)
+    try:
+        with warnings_once() as shown:
+            if shortfall:
+                warnings.warn(shortfall, stacklevel=1)
+            sink = None
+            if args.export == "gguf":   # written layer by layer while the run goes
+                from jgptq_torch.export.gguf.stream import GGUFSink
+
+                sink = GGUFSink(files["out"], overwrite=args.overwrite, tokenizer=tokenizer,
+                                float_embeddings=bool(getattr(args, "float_embeddings", False)))
+                log(f"writing gguf to {files['out']} as the layers finish", args.quiet)
+            result = quantize_moe(model, ids, cfg, device=device, checkpoint_dir=files["work"], resume=args.resume,
+                                  sink=sink)
+            if sink is None:
+                log(f"exporting {args.export} to {files['out']}", args.quiet)
+                with writing(files["out"]):
+                    export_model(model, result, args.export, files["out"], overwrite=args.overwrite,
+                                 tokenizer=tokenizer, source_dir=args.tokenizer or model_dir,
+                                 max_shard_bytes=max_shard, **({"names": args.gptq_names} if args.export == "gptq"
+                                                               else {}))
+    except WriteError as exc:  # a full disk: the path, what is kept, how to go on
+        raise CommandError(failure_message(exc, files["work"])) from exc
+    if shortfall:
+        result.report.warnings.insert(0, shortfall)
+    try:
+        with writing(files["report"]):
+            result.report.to_json(str(files["report"]))
+        with writing(files["plot"]):
+            layer_loss_chart(result.report, files["plot"], f"{model_dir.name}: GPTQ loss per layer")
+        if cfg.target_bpw:
+            with writing(files["bits"]):
+                bits_chart(result.report, files["bits"], f"{model_dir.name}: bits per weight chosen for "
+                                                         f"{cfg.target_bpw:g} bpw")
+    except WriteError as exc:
+        raise CommandError(failure_message(exc, files["work"], written=files["out"])) from exc
+    shutil.rmtree(files["work"], ignore_errors=True)
+    unshown = [w for w in result.report.warnings if w not in shown]   # the report file keeps them all
+    print(dataclasses.replace(result.report, warnings=unshown).summary())
+    print(f"wrote {files['out']} ({args.export}), report {files['report']}"
+          + (f", chart {files['plot']}" if files["plot"].exists() else "")
+          + (f", bits chart {files['bits']}" if files["bits"].exists() else "")
+          + f" in {time.perf_counter() - t_start:.1f} s")
+    return 0

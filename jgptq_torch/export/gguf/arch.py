@@ -1,0 +1,326 @@
+"""What llama.cpp needs to know about a transformers model: its GGUF architecture, metadata and tensor names.
+
+- :data:`ARCHITECTURES`: the transformers ``model_type``\\ s the GGUF exporter writes and their llama.cpp
+  architecture (names and metadata keys come from the ``gguf`` package's tables).
+- :func:`arch_of`: the :class:`Arch` of a model, after checking that llama.cpp computes the same function.
+- :func:`gguf_names`: model parameter name -> the GGUF tensors its rows go to.
+- :func:`metadata`: the ``{arch}.*`` hyperparameter keys from the model's config.
+- :func:`qk_row_order`: the row order of the HF -> llama.cpp rotary permutation of Q and K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import gguf
+import numpy as np
+
+from jgptq_torch import models
+
+
+class UnsupportedGGUFModel(ValueError):
+    """The model (or one of its settings) has no faithful llama.cpp GGUF counterpart in this exporter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """A supported family.
+
+    Attributes:
+      model_type: transformers ``config.model_type``.
+      arch: the llama.cpp architecture.
+      permute_qk: llama.cpp applies the "normal" (interleaved-pair) RoPE, so Q and K rows are permuted from HF's
+        rotate-half order.
+      output_required: llama.cpp loads ``output.weight`` unconditionally (tied embeddings are written twice).
+      norm_topk: the top-k renormalisation llama.cpp hard-codes for the family (None: dense).
+      expert_ff: config attribute of the expert width (None: the family writes none).
+      shared_ff: config attribute of the shared expert's width (None: no shared expert).
+      qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
+    """
+
+    model_type: str
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool
+    output_required: bool = False
+    norm_topk: bool | None = None
+    expert_ff: str | None = None
+    shared_ff: str | None = None
+    qkv_bias: bool = False
+
+    @property
+    def name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+ARCHITECTURES = {
+    "llama": Arch("llama", gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "mixtral": Arch("mixtral", gguf.MODEL_ARCH.LLAMA, permute_qk=True, norm_topk=True),
+    "qwen3_moe": Arch("qwen3_moe", gguf.MODEL_ARCH.QWEN3MOE, permute_qk=False, norm_topk=True,
+                      expert_ff="moe_intermediate_size"),
+    "olmoe": Arch("olmoe", gguf.MODEL_ARCH.OLMOE, permute_qk=False, output_required=True, norm_topk=False),
+    "qwen2_moe": Arch("qwen2_moe", gguf.MODEL_ARCH.QWEN2MOE, permute_qk=False, output_required=True, norm_topk=False,
+                      expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
+                      qkv_bias=True),
+}
+# Q/K/V output widths that llama.cpp's graph of these families hard-codes to the embedding width
+_Q_IS_EMBEDDING = {"olmoe", "qwen2_moe"}
+
+
+def _refuse(model, setting: str, why: str):
+    raise UnsupportedGGUFModel(f"{type(model).__name__}: {setting}: {why}")
+
+
+def arch_of(model) -> Arch:
+    """The :class:`Arch` of ``model``, after refusing settings llama.cpp's graph for the family does not compute.
+
+    Raises:
+      UnsupportedGGUFModel: an unsupported ``model_type`` (the message lists the supported ones), or a setting
+        (biases, routing normalisation, dense layers in a MoE family, rope scaling, ...) that llama.cpp would
+        silently compute differently.
+    """
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in ARCHITECTURES:
+        raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}) has no GGUF exporter; supported "
+                                   f"model types: {sorted(ARCHITECTURES)}")
+    spec = ARCHITECTURES[mt]
+    if getattr(cfg, "attention_bias", False):
+        _refuse(model, "attention_bias=True", "attention biases are not written by this exporter")
+    if getattr(cfg, "mlp_bias", False):
+        _refuse(model, "mlp_bias=True", "MLP biases are not written by this exporter")
+    if spec.norm_topk is not None:
+        given = bool(getattr(cfg, "norm_topk_prob", True if mt == "mixtral" else False))
+        if given != spec.norm_topk:
+            _refuse(model, f"norm_topk_prob={given}", f"llama.cpp's {spec.name} graph always uses "
+                    f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
+    if mt in _Q_IS_EMBEDDING and head_dim(cfg) * cfg.num_attention_heads != cfg.hidden_size:
+        _refuse(model, f"head_dim {head_dim(cfg)}", f"llama.cpp's {spec.name} needs head_dim x heads == hidden_size")
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
+            _refuse(model, "mlp_only_layers/decoder_sparse_step", f"llama.cpp's {spec.name} has experts in every layer")
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "sliding_window", None):
+        _refuse(model, f"sliding_window={getattr(cfg, 'sliding_window', None)}",
+                f"llama.cpp's {spec.name} graph attends to the whole context")
+    if mt == "olmoe":
+        if getattr(cfg, "clip_qkv", None) is not None:
+            _refuse(model, "clip_qkv", "llama.cpp's olmoe graph does not clip Q/K/V")
+        if cfg.num_key_value_heads != cfg.num_attention_heads:
+            _refuse(model, "num_key_value_heads != num_attention_heads",
+                    "llama.cpp's olmoe loads attn_k_norm with the full embedding width (multi-head attention only)")
+    rope = _rope(cfg)
+    kind = rope.get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3"):
+        _refuse(model, f"rope_type {kind!r}", "supported rope types are 'default', 'linear' and 'llama3'")
+    if kind == "llama3" and spec.arch != gguf.MODEL_ARCH.LLAMA:
+        _refuse(model, "rope_type 'llama3'", f"only the llama architecture reads rope_freqs, not {spec.name}")
+    return spec
+
+
+def _rope(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+        if getattr(cfg, "rope_scaling", None):
+            params.update(cfg.rope_scaling)
+            params.setdefault("rope_type", params.get("type", "default"))
+    return dict(params)
+
+
+def head_dim(cfg) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+def num_experts(cfg) -> int | None:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(cfg, key, None):
+            return int(getattr(cfg, key))
+    return None
+
+
+def metadata(model, spec: Arch) -> dict:
+    """The ``{arch}.*`` hyperparameter keys of ``model`` (ordered as llama.cpp's converter writes them)."""
+    cfg = model.config
+    k = gguf.Keys.LLM
+    a = gguf.Keys.Attention
+    r = gguf.Keys.Rope
+    name = spec.name
+
+    def key(template):
+        return template.format(arch=name)
+
+    hd = head_dim(cfg)
+    meta = {
+        key(k.VOCAB_SIZE): int(cfg.vocab_size),
+        key(k.CONTEXT_LENGTH): int(cfg.max_position_embeddings),
+        key(k.EMBEDDING_LENGTH): int(cfg.hidden_size),
+        key(k.BLOCK_COUNT): int(cfg.num_hidden_layers),
+        key(k.FEED_FORWARD_LENGTH): int(cfg.intermediate_size),
+        key(a.HEAD_COUNT): int(cfg.num_attention_heads),
+        key(a.HEAD_COUNT_KV): int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+        key(a.KEY_LENGTH): hd,
+        key(a.VALUE_LENGTH): hd,
+        key(a.LAYERNORM_RMS_EPS): float(cfg.rms_norm_eps),
+    }
+    rope = _rope(cfg)
+    meta[key(r.FREQ_BASE)] = float(rope.get("rope_theta", 10000.0))
+    meta[key(r.DIMENSION_COUNT)] = hd
+    if rope.get("rope_type") == "linear":
+        meta[key(r.SCALING_TYPE)] = gguf.RopeScalingType.LINEAR.value
+        meta[key(r.SCALING_FACTOR)] = float(rope["factor"])
+    experts = num_experts(cfg)
+    if experts:
+        meta[key(k.EXPERT_COUNT)] = experts
+        meta[key(k.EXPERT_USED_COUNT)] = int(cfg.num_experts_per_tok)
+        if spec.expert_ff:
+            meta[key(k.EXPERT_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.expert_ff))
+        if spec.shared_ff:
+            meta[key(k.EXPERT_SHARED_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.shared_ff))
+    return meta
+
+
+def rope_freqs(cfg) -> np.ndarray | None:
+    """float32 (head_dim / 2,): llama3 rope scaling factors (llama.cpp's ``rope_freqs`` tensor), or None."""
+    rope = _rope(cfg)
+    if rope.get("rope_type") != "llama3":
+        return None
+    base, dim = float(rope.get("rope_theta", 10000.0)), head_dim(cfg)
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / float(f)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def qk_row_order(n_head: int, rows: int) -> np.ndarray:
+    """int (rows,): llama.cpp row ``i`` of a permuted Q/K projection is HF row ``order[i]``.
+
+    HF stores each head's rotary pairs as halves (rotate-half); llama.cpp's normal RoPE wants them interleaved:
+    per head the rows (h, 2, hd/2) are read as (h, hd/2, 2).
+    """
+    if rows % (2 * n_head):
+        raise ValueError(f"Q/K permutation: {rows} rows are not {n_head} heads of an even head size")
+    return np.arange(rows).reshape(n_head, 2, rows // n_head // 2).swapaxes(1, 2).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where (part of) a model parameter goes in the GGUF file.
+
+    Attributes:
+      name: GGUF tensor name.
+      rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all).
+      heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
+      role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
+      flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
+    """
+
+    name: str
+    rows: slice | None = None
+    heads: int | None = None
+    role: str = "weight"
+    flat: bool = False
+
+
+def _short(tensor: gguf.MODEL_TENSOR) -> str:
+    """The per-block part of a GGUF tensor name (``"attn_q"`` of ``"blk.{bid}.attn_q"``)."""
+    return gguf.TENSOR_NAMES[tensor].rpartition(".")[2]
+
+
+_QKV = {_short(t) for t in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K, gguf.MODEL_TENSOR.ATTN_V)}
+_ROUTERS = {_short(t) for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)}
+
+
+def _experts_module(model, param: str):
+    owner, _, attr = param.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return None, attr
+    return (module if models.is_experts_module(module) else None), attr
+
+
+def targets(model, spec: Arch) -> dict:
+    """Model parameter name -> list of :class:`Target` (empty: not written, e.g. a tied output head).
+
+    Raises:
+      UnsupportedGGUFModel: a parameter with no GGUF tensor in the architecture (biases, unknown modules).
+    """
+    cfg = model.config
+    tmap = gguf.get_tensor_name_map(spec.arch, cfg.num_hidden_layers)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    out = {}
+    for param, tensor in model.state_dict().items():
+        module, attr = _experts_module(model, param)
+        if module is not None:
+            layout = models.ExpertsLayout.of(module)
+            if layout.biased or layout.post_norm or not layout.gated:
+                _refuse(model, param, "experts with biases, post-expert norms or no gate are not supported")
+            base = param.rpartition(".")[0]
+            if attr == layout.up_name:
+                gate, up = layout.gate_up_rows()
+                parts = [(f"{base}.gate_proj", gate), (f"{base}.up_proj", up)]
+            elif attr == "down_proj":
+                parts = [(f"{base}.down_proj", None)]
+            else:
+                _refuse(model, param, "an experts parameter this exporter does not know")
+        elif param.endswith(".weight"):
+            parts = [(param[: -len(".weight")], None)]
+        elif param.endswith(".bias") and spec.qkv_bias:
+            parts = [(param[: -len(".bias")], None)]
+        else:
+            _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
+        entries = []
+        for hf, rows in parts:
+            name = tmap.get_name(hf)
+            if name is None:
+                _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
+            kind = name.rpartition(".")[2] if name.startswith("blk.") else name
+            suffix = ".bias" if param.endswith(".bias") else ".weight"
+            if suffix == ".bias" and kind not in _QKV:
+                _refuse(model, param, f"llama.cpp's {spec.name} loads no {kind} bias")
+            role, flat = "weight", False
+            if suffix == ".bias":
+                role = "bias"
+            elif tensor.ndim == 1:
+                role = "norm"
+            elif kind in _ROUTERS:
+                role = "router"
+                flat = kind == _short(gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP) and tensor.shape[0] == 1
+            elif name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]:
+                role = "embedding"
+            elif name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT]:
+                role = "output"
+            heads = None
+            if spec.permute_qk and role in ("weight", "bias"):
+                if kind == _short(gguf.MODEL_TENSOR.ATTN_Q):
+                    heads = int(cfg.num_attention_heads)
+                elif kind == _short(gguf.MODEL_TENSOR.ATTN_K):
+                    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            entries.append(Target(name + suffix, rows, heads, role, flat))
+        if tied and entries and entries[0].role == "output" and not spec.output_required:
+            entries = []  # llama.cpp falls back to token_embd
+        out[param] = entries
+    return out
+
+
+def gguf_names(model) -> dict:
+    """Model parameter name (``state_dict`` naming) -> list of (GGUF tensor name, row slice or None).
+
+    A fused gate_up expert parameter (E, 2I, H) gives two entries, ``blk.N.ffn_gate_exps.weight`` and
+    ``blk.N.ffn_up_exps.weight``, with the slices of its nn.Linear-orientation rows each takes; a tied output
+    head that llama.cpp does not load maps to an empty list.
+    """
+    return {p: [(t.name, t.rows) for t in ts] for p, ts in targets(model, arch_of(model)).items()}

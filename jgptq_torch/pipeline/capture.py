@@ -1,0 +1,305 @@
+"""Seeing the inputs of every weight of a decoder layer, and feeding them to a chain of statistics (JAX, via DLPack).
+
+The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian sum, the importance statistic);
+:class:`Collector` applies each to every input it sees. Two mechanisms, both active only inside
+:meth:`Collector.attach`:
+
+- forward hooks on ``nn.Linear`` modules: a module's input rows feed its statistics. Modules that receive the very
+  same input tensor object in one forward (q/k/v after the input norm, gate/up after the post-attention norm,
+  a shared expert's gate/up) share one state: the tie is observed, not listed per model;
+- the ``"jgptq_capture"`` experts implementation, registered with transformers' ``ExpertsInterface`` and selected
+  with ``model.set_experts_implementation`` (:mod:`jgptq_torch.pipeline.experts_capture`): it computes the layer output like
+  the eager loop and hands each expert's gate/up input rows and down input rows to the active :class:`Collector`.
+
+Calibration modes: ``routed`` (an expert sees the tokens the router sends it) and ``all_experts`` (a statistic made
+with ``all_experts``, the Hessian in that mode, sees every token at its gate/up and down inputs; the output still
+uses the routed rows only, so it is exactly the routed output; gate/up of all experts then share one state).
+Padding tokens (attention mask 0) never reach a statistic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from jgptq_torch.dlpack import to_jax
+from jgptq_torch.pipeline.experts_capture import (ACTIVE as _ACTIVE, IMPLEMENTATION, _grouped_on, _register,  # noqa: F401
+                                     experts_forward, experts_implementation)
+from jgptq import statistics as stats
+
+_MAX_ROWS = 1 << 13
+_GROUP_BYTES = 1 << 30  # padded rows of one group of experts passed to the accumulation at once
+
+
+def _bucket(n: int) -> int:
+    """Rows a batch of ``n`` rows is padded to: a power of two from 64 to 8192, so that the jitted accumulation
+    compiles for a handful of shapes only (padding rows are zero and masked out of the token count)."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _accelerator(device: torch.device) -> bool:
+    """Whether groups take the accelerator layout of :func:`_group_layout` (any device but the CPU)."""
+    return device.type != "cpu"
+
+
+def _group_layout(counts: list, bytes_per_row: int, accelerator: bool) -> list:
+    """How a forward's routed experts are added: [(rows per slot p, experts of the slots, -1 for padding)].
+
+    Experts with the same :func:`_bucket` of rows share groups of at most ``_GROUP_BYTES`` of padded input (a
+    power of two of slots). Every slot is a full (p, C) x (p, C) product, padding slots included, and every
+    distinct (slots, p, C) shape compiles one accumulation program; each call costs the host about a millisecond
+    of dispatch, so groups are few and large. A level's last group is padded to the next power of two of its
+    members; on an accelerator to at least an eighth of the level's largest group, which bounds the programs per
+    level at four (padding every last group to the largest group wasted up to 125 slots' products a level).
+    """
+    levels: dict = {}
+    for e, n in enumerate(counts):
+        if n:
+            levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
+    cap = 1 << (len(counts) - 1).bit_length()
+    groups = []
+    for p, members in sorted(levels.items()):
+        most = max(1, _GROUP_BYTES // (p * bytes_per_row))
+        most = min(cap, 1 << (most.bit_length() - 1))
+        least = max(1, most // 8) if accelerator else 1
+        for i in range(0, len(members), most):
+            chunk = members[i:i + most]
+            g = min(most, max(least, 1 << (len(chunk) - 1).bit_length()))
+            groups.append((p, chunk + [-1] * (g - len(chunk))))
+    return groups
+
+
+class Collector:
+    """Statistics of one decoder layer's target inputs, fed by hooks and the capture implementation.
+
+    The collector is given a chain of statistics (name -> :class:`jgptq.statistics.Statistic`) and applies each,
+    in order, to every input row it sees; what they compute is theirs. Padding tokens are masked out.
+
+    Keys: a linear module's key is the name of the first module that received the same input tensor (its tie
+    leader); experts modules have stacked states ``(name, "gate_up")`` and ``(name, "down")`` with one entry per
+    expert (``(name, "gate_up")`` is a single state for a statistic that sees every token, ``all_experts``).
+
+    Args:
+      linears: relative name -> nn.Linear.
+      experts: relative name -> (module, :class:`jgptq_torch.models.ExpertsLayout`).
+      statistics: name -> :class:`jgptq.statistics.Statistic` (default :func:`jgptq.statistics.calibration`: the
+        float32 Hessian sum and the importance statistic).
+    """
+
+    def __init__(self, linears: dict, experts: dict, statistics: dict = None):
+        self.linears, self.experts = linears, experts
+        self.statistics = dict(stats.calibration() if statistics is None else statistics)
+        self.states_of = {name: {} for name in self.statistics}   # statistic name -> key -> state
+        self.tie: dict = {}                       # linear name -> state key
+        self.routed = {name: [0] * lay.num_experts for name, (_, lay) in experts.items()}
+        self.batch_tokens = 0                     # non-padding tokens seen
+        self._module_names = {id(m): n for n, (m, _) in experts.items()}
+        self._seen: list = []
+        self._keep = None
+        self._keep_count = None
+        self._handles: list = []
+
+    @property
+    def all_experts(self) -> bool:
+        """Whether a statistic sees every token of every expert (the experts' forward then runs each expert on
+        every token, and the routed rows of the output are computed apart)."""
+        return any(s.all_experts for s in self.statistics.values())
+
+    @property
+    def states(self) -> dict:
+        """key -> state of the Hessian statistic (``"hessian"``; empty without one)."""
+        return self.states_of.get(stats.HESSIAN, {})
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def attach(self):
+        """Hooks the linear modules and makes this collector the experts implementation's target."""
+        for name, module in self.linears.items():
+            self._handles.append(module.register_forward_hook(self._linear_hook(name)))
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._seen.clear()
+
+    @contextlib.contextmanager
+    def batch(self, keep: torch.Tensor):
+        """Marks one calibration forward; ``keep`` is the (B, S) attention mask (nonzero = real token)."""
+        keep = keep.reshape(-1).to(torch.bool)
+        n = int(keep.sum())
+        self._keep = None if n == keep.numel() else keep
+        self._keep_count = keep.numel()
+        self.batch_tokens += n
+        try:
+            yield
+        finally:
+            self._seen.clear()
+            self._keep = None
+
+    # -- accumulation ----------------------------------------------------------------------------------------
+    def _rows_keep(self, rows: int, what: str):
+        if self._keep is None:
+            return None
+        if rows != self._keep_count:
+            raise ValueError(f"{what}: {rows} input rows cannot be aligned with the {self._keep_count} tokens of "
+                             f"the attention mask; padding could not be excluded")
+        return self._keep
+
+    def _chain(self, all_experts=None) -> list:
+        """(name, statistic) of the chain, in order; only those whose ``all_experts`` is the given one, if any."""
+        return [(n, s) for n, s in self.statistics.items() if all_experts is None or s.all_experts == all_experts]
+
+    def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations", chain=None):
+        """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the states ``key`` of the statistics of
+        ``chain`` (default: all): entry ``index`` of stacks of ``size`` entries, or a single state (None)."""
+        chain = self._chain() if chain is None else chain
+        if not chain:
+            return
+        if keep is not None:
+            x = x[keep]
+        n = x.shape[0]
+        states = [self.states_of[s].get(key) for s, _ in chain]
+        for start in range(0, max(n, 1), _MAX_ROWS):
+            piece = x[start:start + _MAX_ROWS]
+            m = piece.shape[0]
+            if m == 0 and all(state is not None for state in states):
+                break
+            p = _bucket(m)
+            padded = F.pad(piece, (0, 0, 0, p - m)) if p != m else piece
+            mask = torch.arange(p, device=piece.device) < m
+            xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+            for j, (_, statistic) in enumerate(chain):
+                if states[j] is None:
+                    states[j] = statistic.init(x.shape[-1], size, next(iter(xj.devices())))
+                if m:
+                    states[j] = statistic.update(states[j], xj, mj, index, name=name)
+        for (s, _), state in zip(chain, states):
+            self.states_of[s][key] = state
+
+
+    def _linear_hook(self, name):
+        def hook(module, args, output):
+            x = args[0]
+            for seen, key in self._seen:
+                if seen is x:
+                    break
+            else:
+                key = None
+            if key is None:
+                key = name
+                self._seen.append((x, key))
+                rows = x.reshape(-1, x.shape[-1])
+                self._add(key, rows, self._rows_keep(rows.shape[0], name), name=name)
+            if self.tie.setdefault(name, key) != key:
+                raise RuntimeError(f"{name}: shares its input with {key!r} in one forward but with "
+                                   f"{self.tie[name]!r} in another; the layer's data flow is not static")
+        return hook
+
+    def expert_inputs(self, module, e: int, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor):
+        """Called by :func:`experts_forward` for expert ``e`` when a statistic sees every token
+        (:attr:`all_experts`): gate/up input rows x and down input rows h of every token, and the routed token ids
+        ``tok``. Statistics of every token get all rows (gate/up: one state shared by the experts); the others get
+        the routed rows."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return
+        lay = self.experts[name][1]
+        keep = self._keep
+        routed_keep = None if keep is None else keep[tok]
+        self.routed[name][e] += int(tok.numel() if routed_keep is None else routed_keep.sum())
+        every = self._chain(all_experts=True)
+        if e == 0:
+            self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up", chain=every)
+        self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
+                  name=f"{name} down", chain=every)
+        for part, rows in (("gate_up", x), ("down", h)):
+            self._add((name, part), rows[tok], routed_keep, index=e, size=lay.num_experts, name=f"{name} {part}",
+                      chain=self._chain(all_experts=False))
+
+    def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
+        """Called once per forward by :func:`experts_forward` in routed mode with every expert's rows at once:
+        gate/up inputs x (R, H) and down inputs h (R, I) sorted by expert (``counts[e]`` rows each), and their
+        token ids ``tok`` (R,). Experts are accumulated in groups (a few calls per forward, not one per expert)."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return
+        n_exp = self.experts[name][1].num_experts
+        keep = None if self._keep is None else self._keep[tok]
+        real = list(counts)
+        if keep is not None:
+            count_t = torch.as_tensor(counts, device=x.device)
+            expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), count_t)
+            real = torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(0, expert, keep.long()).tolist()
+        for e, n in enumerate(real):
+            self.routed[name][e] += n
+        for part, rows in (("gate_up", x), ("down", h)):
+            self._add_grouped((name, part), rows, counts, keep, n_exp,
+                              f"{name} {'gate/up' if part == 'gate_up' else part}")
+
+    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str):
+        """Experts with about as many rows are padded to the same rows per slot and added together, one group of
+        slots per call (:func:`_group_layout`); an expert with more than ``_MAX_ROWS`` rows is added in passes.
+
+        ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
+        computed positions (padding positions read any row and are masked out), so that packing needs no
+        device synchronization beyond one small copy of the group layout per call."""
+        c, dev = rows.shape[-1], rows.device
+        starts = [0] * n_exp
+        for e in range(1, n_exp):
+            starts[e] = starts[e - 1] + counts[e - 1]
+        groups = _group_layout(counts, c * rows.element_size(), _accelerator(dev))
+        if not groups:
+            return
+        # the layout of every group (first row, rows) in one small host-to-device copy
+        layout = torch.tensor([[starts[e], counts[e]] if e >= 0 else [0, 0] for _, slots in groups for e in slots],
+                              dtype=torch.long)
+        layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
+        chain = self._chain()
+        states = [self.states_of[s].get(key) for s, _ in chain]
+        at = 0
+        for p, slots in groups:
+            g = len(slots)
+            first, size = layout[at:at + g, 0, None], layout[at:at + g, 1, None]
+            at += g
+            span = torch.arange(p, device=dev)
+            index = [e if e >= 0 else slots[0] for e in slots]  # padding slots add nothing
+            for offset in range(0, max(counts[e] for e in slots if e >= 0), p):
+                valid = (offset + span) < size                                   # (g, p)
+                idx = torch.where(valid, first + offset + span, 0)
+                padded = rows[idx]
+                mask = valid if keep is None else valid & keep[idx]
+                xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
+                for j, (_, statistic) in enumerate(chain):
+                    if states[j] is None:
+                        states[j] = statistic.init(c, n_exp, next(iter(xj.devices())))
+                states = stats.update_group([s for _, s in chain], states, index, xj, mj, name=name)
+        for (s, _), state in zip(chain, states):
+            self.states_of[s][key] = state
+
+    # -- results ---------------------------------------------------------------------------------------------
+    def result(self, statistic: str, key):
+        """The finalized state ``key`` of the statistic named ``statistic``; None if never fed."""
+        state = self.states_of[statistic].get(key)
+        return None if state is None else self.statistics[statistic].finalize(state)
+
+    def hessian(self, key):
+        """(finalized Hessian (C, C) or (E, C, C), token counts as a Python int or list) of the ``"hessian"``
+        statistic; None if never fed."""
+        return self.result(stats.HESSIAN, key)
+
+    def importance_statistic(self, key):
+        """The :class:`jgptq.imatrix.ImatrixEntry` (float32 (E, C) sums of squared inputs, float32 (E,) token
+        counts) of the ``"imatrix"`` statistic over the tokens the weight saw (routed tokens only for experts, in
+        every calibration mode); None if never fed."""
+        return self.result(stats.IMATRIX, key)
+
+    def release(self):
+        """Drops every state (frees device memory)."""
+        for states in self.states_of.values():
+            states.clear()

@@ -1,0 +1,302 @@
+"""``target_bpw``: a first pass that measures what every candidate format costs, and the allocation it leads to.
+
+Groups. The experts of a layer share one format per projection (``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``; per-expert linear modules ``experts.<e>.<proj>`` likewise), because llama.cpp, vLLM and
+TensorRT-LLM store a layer's experts as one tensor of one type; every other matrix (attention, shared experts, dense
+MLPs) is a group of its own. Matrices that ``formats`` rules or ``exclude`` patterns match keep their format (or
+stay in floating point, 16 bits per weight) and are fixed costs of the budget. Embeddings and the output head are
+not decoder-layer targets: they keep their normal handling and are outside the budget.
+
+Measure (:func:`measure`). The float model runs layer by layer, as the pipeline does, but each layer's outputs
+come from its float weights (the calibration forward's own outputs), so every layer is measured against float
+inputs and no candidate's error leaks into another layer's figures. For each layer, its matrices are solved under
+every candidate format (one :func:`jgptq.bucket.quantize_bucket` call per candidate and shape: all experts at
+once) and each matrix's cost is ``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2``: the GPTQ objective of the solved
+weight ``Q`` on its Hessian ``H = 2/N sum x x^T`` (the mean squared output error over the tokens it saw), times
+``s``, the share of the layer's calibration tokens it saw (experts: their routed tokens), times its gain ``G``
+(:mod:`jgptq_torch.pipeline.gains`; 1 with ``target_gain="one"``). With the Fisher gain the sum over all matrices is a
+second-order estimate of the mean next-token KL to the float model, reported as ``predicted_objective``.
+
+Allocate (:func:`choose`). Sizes are exact (:func:`jgptq.allocate.tensor_bits`); the budget is
+``floor(target_bpw * weights)`` bits over every decoder-layer target (fixed ones included); the groups get their
+formats from :func:`jgptq.allocate.allocate`. The choice becomes the run's ``assignment`` (parameter -> format),
+which :func:`jgptq.plan.plan_matrix` applies, so the second pass is the normal pipeline and its export, report
+and resume work unchanged. With ``checkpoint_dir``, the allocation is kept in ``allocation.json`` there and a
+resumed run takes it over instead of measuring again (same formats, same bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jgptq_torch.pipeline import capture
+from jgptq_torch.pipeline import importance
+from jgptq_torch import models
+from jgptq_torch.pipeline import run_setup
+from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
+from jgptq import allocate as alloc
+from jgptq import plan as plan_mod
+from jgptq import statistics
+from jgptq.bucket import MatrixPlan
+
+ALLOCATION_FILE = "allocation.json"
+
+
+def group_name(name: str) -> str:
+    """The group of a matrix named relative to its layer: per-expert modules ``experts.<e>.<proj>`` share
+    ``experts.*.<proj>``; any other name is its own group."""
+    return re.sub(r"(^|\.)experts\.\d+\.", r"\1experts.*.", name)
+
+
+def quant_of(cfg, fmt: str):
+    """The :class:`jgptq.config.QuantConfig` of candidate ``fmt`` in a run under ``cfg``."""
+    bits = alloc.int_bits_of(fmt)
+    return cfg.quant.replace(bits=bits) if bits is not None else cfg.quant.replace(format=fmt)
+
+
+def _layout(cfg, prefix: str, layers):
+    """(free matrices: param -> (layer, group, Matrix, candidates), fixed: param -> (format or "float", bits),
+    weights of every target)."""
+    found = [models.layer_targets(layer) for layer in layers]
+    n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
+    free, fixed, weights = {}, {}, 0
+    for i, t in enumerate(found):
+        for m in t.matrices():
+            param = m.param_name(f"{prefix}.{i}")
+            weights += m.count * m.rows * m.cols
+            rule = plan_mod.first_rule(cfg, m.name)
+            if rule is not None:
+                plan, _ = plan_mod.plan_matrix(cfg, plan_mod.Target(m.name, i, m.cols, param), len(layers), n_expert)
+                fmt = "float" if plan is None else (plan.format if plan.quant.is_ggml else f"int{plan.quant.bits}")
+                fixed[param] = (fmt, alloc.tensor_bits(fmt, m.rows, m.cols, m.count, cfg.quant))
+                continue
+            names = alloc.candidates(cfg, m.cols)
+            if not names:
+                offered = ", ".join(cfg.target_formats) or "the default family"
+                raise ValueError(f"{param}: no candidate format of target_bpw ({offered}) fits its {m.cols} input "
+                                 f"columns; give it a format with formats=[(regex, format)] or leave it unquantized "
+                                 f"with exclude=[...]")
+            free[param] = (i, group_name(m.name), m, names)
+    return free, fixed, weights
+
+
+@jax.jit
+def _output_error(weight, solved, hessian):
+    """tr((W - Q) H (W - Q)^T) / 2 per matrix: (n,) float32 of (n, R, C) weights and (C, C) or (n, C, C) H."""
+    with jax.default_matmul_precision("highest"):
+        err = weight.astype(jnp.float32) - solved
+        eh = err @ hessian if hessian.ndim == 2 else jnp.einsum("nrc,ncd->nrd", err, hessian)
+        return jnp.sum(eh * err, axis=(-2, -1)) / 2
+
+
+def _costs(run, collector, free: dict, gains: dict, solved: list) -> dict:
+    """param -> float64 (count,) costs of the solved matrices (module docstring)."""
+    total = max(collector.batch_tokens, 1)
+    out = {}
+    for m, param, stack, res in solved:
+        if stack.hessian is None:
+            out[param] = np.zeros(m.count)
+            continue
+        tr = np.asarray(_output_error(stack.weight, res.weight, jnp.asarray(stack.hessian)), np.float64)
+        seen = collector.routed.get(m.module_name) if m.layout is not None else stack.tokens
+        share = np.asarray(seen, np.float64) / total
+        gain = gains.get(param, np.ones(m.count)) if gains is not None else np.ones(m.count)
+        out[param] = 0.5 * gain * share * tr
+    return out
+
+
+def measure(run, free: dict, gains) -> dict:
+    """param -> {format: float64 (count,) costs}: every free matrix solved under each of its candidates, layer
+    by layer on float inputs (module docstring). ``run``: a :class:`jgptq_torch.pipeline.run_setup.Run` of a probe config."""
+    cfg, placement, report = run.cfg, run.placement, run.report
+    placement.prepare()
+    hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
+    costs: dict = {}
+    for i in range(len(run.layers)):
+        t0 = time.perf_counter()
+        layer = placement.fetch(i)
+        target = run.targets[i]
+        collector = capture.Collector(target.linears, target.experts, statistics.calibration(
+            cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
+        outputs = []
+        with collector.attach():
+            for b, batch in enumerate(run.batch_list):
+                rest, kw = layer_inputs[b][i]
+                with collector.batch(batch.attention_mask.to(hidden[b].device)):
+                    outputs.append(run_layer(layer, hidden[b], rest, kw))
+        base = f"{run.prefix}.{i}"
+        stats = importance.layer_imatrix(collector, run.prefix, i, target)
+        stacks = [s for s in layer_stacks(collector, target, base, run.plan, cfg, stats if run.given is None
+                                          else run.given) if s[1] in free]
+        threshold = cfg.moe.threshold(collector.batch_tokens)
+        for fmt in sorted({f for _, p, _ in stacks for f in free[p][3]}):
+            chosen = [s for s in stacks if fmt in free[s[1]][3]]
+            plan = plan_mod.Plan({p: MatrixPlan(cfg.method, quant_of(cfg, fmt)) for _, p, _ in chosen}, {}, [], [])
+            for param, c in _costs(run, collector, free, gains, solve_layer(chosen, plan, threshold,
+                                                                            devices=run.devices)).items():
+                costs.setdefault(param, {})[fmt] = c
+        collector.release()
+        placement.put_back(i)
+        hidden = outputs
+        report.add_time(i, "sensitivity", time.perf_counter() - t0)
+    return costs
+
+
+def allocation_of(cfg, free: dict, fixed: dict, weights: int, costs: dict, gains) -> dict:
+    """The allocation record (the report's ``allocation`` section) of measured ``costs`` under ``cfg``."""
+    groups: dict = {}
+    for param, (layer, name, m, names) in free.items():
+        groups.setdefault((layer, name), []).append((param, m, names))
+    rows = []
+    for key in sorted(groups):
+        members = groups[key]
+        names = tuple(f for f in members[0][2] if all(f in ms for _, _, ms in members))
+        gain = [float(np.mean(gains[p])) for p, _, _ in members if gains is not None and p in gains]
+        rows.append({"layer": key[0], "name": key[1], "params": [p for p, _, _ in members],
+                     "weights": sum(m.count * m.rows * m.cols for _, m, _ in members),
+                     "gain": float(np.mean(gain)) if gain else 1.0,
+                     "costs": {f: float(sum(costs[p][f].sum() for p, _, _ in members)) for f in names},
+                     "bytes_by_format": {f: sum(alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant)
+                                                for _, m, _ in members) // 8 for f in names}})
+    record = {"gain": cfg.target_gain, "weights": weights,
+              "fixed": [{"param": p, "format": f, "bytes": b // 8} for p, (f, b) in sorted(fixed.items())],
+              "groups": rows}
+    return reallocate(record, cfg.target_bpw)
+
+
+def reallocate(allocation: dict, target_bpw: float) -> dict:
+    """The allocation record of the same measured costs under another ``target_bpw`` (no new measurement: a
+    sweep over sizes measures once). Every size of the record is in bytes, whole for every candidate.
+
+    Raises:
+      ValueError: a target below every tensor at its cheapest candidate.
+    """
+    weights, rows = allocation["weights"], [dict(g) for g in allocation["groups"]]
+    problem = [alloc.Group(f"{g['layer']}.{g['name']}", tuple(g["costs"]),
+                           tuple(8 * g["bytes_by_format"][f] for f in g["costs"]),
+                           tuple(g["costs"].values())) for g in rows]
+    budget = math.floor(target_bpw * weights)
+    fixed_bits = 8 * sum(f["bytes"] for f in allocation["fixed"])
+    _refuse_below(target_bpw, budget, weights, fixed_bits + sum(min(g.sizes) for g in problem),
+                  {g.formats[int(np.argmin(g.sizes))] for g in problem}, bool(allocation["fixed"]))
+    solution = alloc.allocate(problem, budget - fixed_bits)
+    for g, group, k in zip(rows, problem, solution.choice):
+        g.update(format=group.formats[k], bpw=group.sizes[k] / g["weights"], bytes=group.sizes[k] // 8)
+    total = solution.size + fixed_bits
+    return dict(allocation, target_bpw=float(target_bpw), budget_bytes=budget // 8, total_bytes=total // 8,
+                achieved_bpw=total / weights, predicted_objective=solution.cost, groups=rows)
+
+
+def _refuse_below(target_bpw, budget: int, weights: int, least: int, cheapest: set, fixed: bool) -> None:
+    if least > budget:
+        raise ValueError(f"target_bpw={target_bpw:g} is below the {least / weights:.4g} bits per weight of every "
+                         f"tensor at its cheapest candidate ({', '.join(sorted(cheapest))}"
+                         f"{', and the tensors formats/exclude fix' if fixed else ''}); raise it or add cheaper "
+                         f"target_formats")
+
+
+def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
+    """Refuses a target below every tensor at its cheapest candidate (groups share the candidates of their
+    first member, as the allocation does)."""
+    least, cheapest = sum(b // 8 * 8 for _, b in fixed.values()), set()
+    for param, (_, _, m, names) in free.items():
+        sizes = {f: alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant) for f in names}
+        best = min(sizes, key=sizes.get)
+        least += sizes[best] // 8 * 8
+        cheapest.add(best)
+    _refuse_below(cfg.target_bpw, math.floor(cfg.target_bpw * weights), weights, least, cheapest, bool(fixed))
+
+
+@contextlib.contextmanager
+def _on_run_device(model, device):
+    """A model held whole in host memory goes to the run's CUDA device for the gain pass when it takes at most half
+    of the free memory there, and back afterwards (``module.to`` keeps the parameter objects); otherwise it stays
+    where it is."""
+    device = torch.device(device)
+    tensors = list(model.parameters()) + list(model.buffers())
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    move = (device.type == "cuda" and {t.device.type for t in tensors} == {"cpu"}
+            and need <= torch.cuda.mem_get_info(device)[0] // 2)
+    if not move:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def target_weights(model) -> int:
+    """Weights of every decoder-layer target matrix of ``model`` (what ``target_bpw`` is counted over)."""
+    prefix, layers = models.find_decoder_layers(model)
+    return sum(m.count * m.rows * m.cols for t in map(models.layer_targets, layers) for m in t.matrices())
+
+
+def assignment_of(allocation: dict) -> tuple:
+    """The ``PipelineConfig.assignment`` of an allocation record: ((param, format), ...) sorted."""
+    return tuple(sorted((p, g["format"]) for g in allocation["groups"] for p in g["params"]))
+
+
+def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
+           resume: bool = True, imatrix=None) -> tuple:
+    """The first pass of a ``target_bpw`` run: (the config with its ``assignment``, the allocation record).
+
+    Args: as :func:`jgptq.quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``).
+    Raises:
+      ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
+    """
+    from jgptq_torch.pipeline import resume as resume_mod
+    from jgptq_torch.pipeline.gains import fisher_gains
+
+    prefix, layers = models.find_decoder_layers(model)
+    free, fixed, weights = _layout(cfg, prefix, layers)
+    _check_reachable(cfg, free, fixed, weights)   # before any work
+    saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
+    probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
+                      quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
+    run = run_setup.prepare(model, calib, probe, tokenizer, device, devices, imatrix)
+    key = None
+    if saved is not None:
+        key = resume_mod.fingerprint(model, run.batch_list, cfg, len(layers), imatrix=imatrix)
+        key = {k: key[k] for k in ("model", "calibration", "config")}
+    if saved is not None and resume and saved.exists():
+        stored = json.loads(saved.read_text())
+        if stored.get("fingerprint") == key:
+            allocation = stored["allocation"]
+            return cfg.build(cfg, assignment=assignment_of(allocation)), allocation
+    t0 = time.perf_counter()
+    gains = None
+    if cfg.target_gain == "fisher":
+        with _on_run_device(model, run.device):
+            gains = fisher_gains(model, run.batch_list)
+    gain_seconds = time.perf_counter() - t0
+    failed, was_training = True, model.training
+    model.eval()
+    try:
+        with torch.no_grad(), (capture.experts_implementation(model) if any(
+                t.experts for t in run.targets) else contextlib.nullcontext()):
+            costs = measure(run, free, gains)
+        failed = False
+    finally:
+        model.train(was_training)
+        run_setup.finish(run.placement, failed)
+    allocation = allocation_of(cfg, free, fixed, weights, costs, gains)
+    allocation["seconds"] = {"gains": gain_seconds,
+                             "sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({"fingerprint": key, "allocation": allocation}))
+    return cfg.build(cfg, assignment=assignment_of(allocation)), allocation
