@@ -1,25 +1,21 @@
 """A bucket of same-shape matrices quantized under one plan: the one place where weights become codes.
 
 Both fronts call :func:`quantize_bucket`: the torch pipeline once per shape bucket of a decoder layer (every
-expert of a shape at once), the JAX-native front once per captured weight. It owns every decision that follows
-from the plan and the calibration, and every fallback:
+expert of a shape at once), the JAX-native front once per captured weight. The plan names a method
+(:mod:`jgptq.methods`: ``"gptq"``, ``"rtn"`` or a registered plug-in) and the method solves the bucket; what every
+method shares is here:
 
-- ``method="gptq"``: one batched solve (:func:`jgptq.parallel.solve_experts`, spread over the devices); Hessians
-  shared by every matrix of the bucket (a tie: q/k/v, or gate/up of a dense MLP) are passed once, as (C, C), so
-  the factorization is shared too; a matrix whose Hessian saw fewer tokens than ``threshold`` (an expert rarely
-  or never routed to) gets the identity as its Hessian, for which GPTQ is exactly round-to-nearest, and with a
-  GGML format exactly the plain encode (an identity Hessian is not quite that for formats whose importance
-  weighting looks at the whole row); such matrices are reported as ``rtn`` with the reason; a Hessian that no
-  damping makes positive definite falls back to round-to-nearest inside the solver (``fallback``);
-- ``method="rtn"``: round-to-nearest on the same grids, or with a GGML format the plain encode with importance
-  (llama.cpp's imatrix-only quantization);
-- GGML formats with ``method="gptq"``: each matrix is also given the plain encode (with the same importance) in
-  the same program, both results are scored by the Hessian-weighted loss ``trace((W - Q) H (W - Q)^T)`` on the
-  matrix's own calibration Hessian (float32, fixed summation order), and the lower is kept; a matrix whose plain
-  encode wins is reported as ``rtn`` with the reason ``lower loss: plain ... < gptq ...``. The guard costs one plain
-  encode and two (R, C) x (C, C) products per matrix;
-- GGML formats: the payload bytes are the solver's own (or the plain encode's, above) and the weight returned is
-  exactly their decode.
+- the token threshold: for a method that needs calibration tokens (GPTQ), a matrix whose statistics saw fewer
+  tokens than ``threshold`` (an expert rarely or never routed to) falls back to round-to-nearest (the plain encode
+  for GGML formats), reported as ``rtn`` with the reason; so is a matrix the method itself chose not to solve
+  (GPTQ's guard on GGML formats, reason ``lower loss: plain ... < gptq ...``);
+- GGML formats: the payload bytes are the method's own and the weight returned is exactly their decode;
+- the per-matrix figures (loss NaN where the method's solve was not kept) and labels of :class:`Solved`.
+
+A Hessian that no damping makes positive definite falls back to round-to-nearest inside the solver
+(``fallback``). The Hessian-weighted loss ``trace((W - Q) H (W - Q)^T)`` (:func:`hessian_loss`) and the Hessians
+of a bucket (:func:`bucket_hessians`: shared ones passed once, as (C, C), so their factorization is shared too)
+are here for the methods to use.
 
 Example::
 
@@ -40,15 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgptq import gptq, parallel
 from jgptq.config import QuantConfig
 from jgptq.export.records import GGMLWeight, QuantizedWeight
-from jgptq.quantizers import uniform
 
 
 class MatrixPlan(NamedTuple):
-    """How one matrix is quantized: ``method`` (``"gptq"`` or ``"rtn"``) and ``quant`` (its grid, or its GGML
-    format in ``quant.format``). Hashable: matrices of one shape and one plan form a bucket."""
+    """How one matrix is quantized: ``method`` (a name of :mod:`jgptq.methods`: ``"gptq"``, ``"rtn"``, ...) and
+    ``quant`` (its grid, or its GGML format in ``quant.format``). Hashable: matrices of one shape and one plan form a bucket."""
 
     method: str
     quant: QuantConfig
@@ -90,7 +84,8 @@ class Solved:
     Attributes:
       weight: float32 jax (n, R, C), the dequantized weights (the decode of ``payload`` for GGML formats).
       plan: the :class:`MatrixPlan`.
-      method, reason: per matrix, ``"gptq"`` or ``"rtn"`` and why rtn (empty when not a fallback).
+      method, reason: per matrix, the method's name, or ``"rtn"`` and why for a fallback (reason empty when
+        not a fallback).
       loss, damp_used, damp_stage, fallback, dead_columns: numpy (n,) figures (loss NaN where not solved by GPTQ;
         see :class:`jgptq.gptq.GPTQResult`).
       codes, scales, zeros, g_idx, perm: integer-grid arrays on the device (None for GGML formats);
@@ -165,57 +160,44 @@ def plain_encoder(format_name: str):
 
 
 def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int = 1, devices=None) -> list:
-    """Quantizes every matrix of same-shape ``stacks`` under one ``plan`` in one batched call.
+    """Quantizes every matrix of same-shape ``stacks`` under one ``plan`` in one batched call of the plan's method
+    (:func:`jgptq.methods.get`).
 
     Args:
       stacks: :class:`Stack` s of one (R, C) shape; N matrices in all.
       plan: the :class:`MatrixPlan` of every matrix of the bucket.
-      threshold: fewest calibration tokens for a GPTQ solve (``method="gptq"``); below it, the fallback above.
+      threshold: fewest calibration tokens for a method that needs them (``token_threshold``, e.g. GPTQ); below
+        it, the fallback above.
       devices: JAX devices for the solve (default: every local device).
     Returns:
       One :class:`Solved` per stack, in order; the bytes are the same whatever the devices.
     Raises:
-      ValueError: shapes that disagree, NaN/Inf in a weight, a Hessian or an importance vector (the solver's
-        checks; a NaN/Inf Hessian means NaN/Inf calibration activations), a width the grid or format does not
-        divide.
+      ValueError: shapes that disagree, an unknown method, NaN/Inf in a weight, a Hessian or an importance vector
+        (the solver's checks; a NaN/Inf Hessian means NaN/Inf calibration activations), a width the grid or format
+        does not divide.
     """
+    from jgptq import methods
+
     shapes = {tuple(s.weight.shape[1:]) for s in stacks}
     if len(shapes) != 1:
         raise ValueError(f"quantize_bucket: stacks of different shapes {sorted(shapes)} "
                          f"({', '.join(s.name for s in stacks)})")
     rows, cols = shapes.pop()
+    method = methods.get(plan.method)
     tokens = [int(t) for s in stacks for t in s.tokens]
-    low = [plan.method == "gptq" and t < threshold for t in tokens]
+    low = tuple(method.token_threshold and t < threshold for t in tokens)
     reasons = [f"{t} tokens < {threshold}" if is_low else "" for t, is_low in zip(tokens, low)]
     weights = stacks[0].weight if len(stacks) == 1 else jnp.concatenate([s.weight for s in stacks])
     quant, ggml = plan.quant, plan.quant.is_ggml
     importance = None
     if ggml and stacks[0].importance is not None:
         importance = jnp.concatenate([jnp.asarray(s.importance, jnp.float32) for s in stacks])
-    fields: dict = {}
-    kept_plain = [False] * len(tokens)
-    if plan.method == "rtn" and ggml:
-        fields["payload"], fields["weight"] = parallel.encode_experts(plain_encoder(quant.format), weights,
-                                                                      importance)
-    elif plan.method == "rtn":
-        fields.update(_rtn(weights, quant))
-    else:
-        hessians = _bucket_hessians(stacks, low, cols)
-        names = ", ".join(s.name for s in stacks)
-        name = f"{names} ({rows}x{cols})"
-        if ggml:
-            res, losses = _gptq_or_plain(weights, hessians, importance, quant, name, devices)
-            plain_won = np.asarray(losses.plain < losses.gptq) & ~np.asarray(low)
-            for i in np.flatnonzero(plain_won):
-                reasons[i] = f"{PLAIN_KEPT}: plain {float(losses.plain[i]):.4g} < gptq {float(losses.gptq[i]):.4g}"
-            kept_plain = plain_won.tolist()
-        else:
-            res = parallel.solve_experts(weights, hessians, quant, name=name, devices=devices, importance=importance)
-        fields.update({k: getattr(res, k) for k in ("weight",) + _FIGURES + _ARRAYS})
-        if ggml and any(low):  # too few tokens: the plain encode (the kept plain encodes are already in place)
-            plain, _ = parallel.encode_experts(plain_encoder(quant.format), weights, importance)
-            mask = jnp.asarray(low)[:, None, None, None]
-            fields["payload"] = jnp.where(mask, jax.device_put(plain, _device(res.payload)), res.payload)
+    names = ", ".join(s.name for s in stacks)
+    out = method.solve(methods.BucketInputs(stacks, weights, importance, plan, low, f"{names} ({rows}x{cols})",
+                                            devices))
+    fields = {k: out.fields.get(k) for k in ("weight",) + _FIGURES + _ARRAYS}
+    for i, why in out.fell_back.items():
+        reasons[i] = why
     n = len(tokens)
     if ggml:  # the weight is the decode of the kept bytes, exactly as GGMLWeight.dequantize
         from jgptq.ggml.api import decode
@@ -226,32 +208,20 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     for k, empty in (("loss", np.nan), ("damp_used", np.nan), ("damp_stage", -1), ("fallback", False),
                      ("dead_columns", 0)):
         fields[k] = np.full(n, empty) if fields.get(k) is None else np.asarray(fields[k])
-    not_gptq = [a or b for a, b in zip(low, kept_plain)]
-    fields["loss"] = np.where(np.asarray(not_gptq), np.nan, fields["loss"])  # no GPTQ loss where it was not kept
-    out, start = [], 0
+    not_solved = [is_low or i in out.fell_back for i, is_low in enumerate(low)]
+    fields["loss"] = np.where(np.asarray(not_solved), np.nan, fields["loss"])  # no loss where it was not kept
+    labels = ["rtn" if skip else method.name for skip in not_solved]
+    solved, start = [], 0
     for s in stacks:
         sl = slice(start, start + s.weight.shape[0])
         whole = len(stacks) == 1
         part = {k: None if v is None else v if whole else v[sl] for k, v in fields.items()}
-        methods = tuple("rtn" if plan.method == "rtn" or not_gptq[i] else "gptq" for i in range(sl.start, sl.stop))
-        out.append(Solved(plan=plan, method=methods, reason=tuple(reasons[sl]), **part))
+        solved.append(Solved(plan=plan, method=tuple(labels[sl]), reason=tuple(reasons[sl]), **part))
         start = sl.stop
-    return out
-
-
-def _device(x):
-    return next(iter(x.devices()))
+    return solved
 
 
 PLAIN_KEPT = "lower loss"   # the reason of a matrix whose plain encode scored below its GPTQ solve
-
-
-class Losses(NamedTuple):
-    """float32 (N,) Hessian-weighted losses ``trace((W - Q) H (W - Q)^T)`` of the GPTQ result and of the plain
-    encode of every matrix of a GGML bucket."""
-
-    gptq: np.ndarray
-    plain: np.ndarray
 
 
 def hessian_loss(weight: jax.Array, quantized: jax.Array, hessian: jax.Array) -> jax.Array:
@@ -268,52 +238,13 @@ def hessian_loss(weight: jax.Array, quantized: jax.Array, hessian: jax.Array) ->
     return x[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class _GPTQOrPlain:
-    """The per-matrix program of a GGML GPTQ bucket: the GPTQ solve and the plain encode, each scored by
-    :func:`hessian_loss` on the matrix's Hessian; the GPTQ result with the plain encode's bytes and weight where
-    those score strictly lower, and both losses (hashable: compiled programs are cached per config)."""
-
-    config: QuantConfig
-
-    def __call__(self, weight, hessian, importance):
-        res = gptq.solve_unchecked(weight, hessian, importance, self.config)
-        payload, decoded = plain_encoder(self.config.format)(weight, importance)
-        loss_gptq = hessian_loss(weight, res.weight, hessian)
-        loss_plain = hessian_loss(weight, decoded, hessian)
-        plain = loss_plain < loss_gptq
-        return res._replace(payload=jnp.where(plain, payload, res.payload),
-                            weight=jnp.where(plain, decoded, res.weight)), loss_gptq, loss_plain
-
-
-def _gptq_or_plain(weights, hessians, importance, quant: QuantConfig, name: str, devices):
-    """The GGML GPTQ solve of a bucket with the plain-encode guard, over the devices: (GPTQResult with the kept
-    bytes, :class:`Losses`)."""
-    gptq.check_inputs(weights, hessians, importance, quant, name, batched=True)
-    h_axis = None if hessians.ndim == 2 else 0
-    i_axis = None if importance is None or importance.ndim == 1 else 0
-    res, loss_gptq, loss_plain = parallel.map_experts(_GPTQOrPlain(quant), (weights, hessians, importance),
-                                                      (0, h_axis, i_axis), devices=devices)
-    return res, Losses(np.asarray(loss_gptq), np.asarray(loss_plain))
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def _rtn(weights, config):
-    codes, grid, deq = jax.vmap(lambda w: uniform.round_to_nearest(w.astype(jnp.float32), config))(weights)
-    n, _, c = weights.shape
-    gs = c if config.group_size == -1 else config.group_size
-    g_idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32) // gs, (n, c))
-    perm = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c))
-    return {"weight": deq, "codes": codes, "scales": grid.scale, "zeros": grid.zero, "g_idx": g_idx, "perm": perm}
-
-
 @jax.jit
 def _identity_where(hessians, mask):
     eye = jnp.eye(hessians.shape[-1], dtype=jnp.float32)
     return jnp.where(mask[:, None, None], eye, hessians.astype(jnp.float32))
 
 
-def _bucket_hessians(stacks, low, cols):
+def bucket_hessians(stacks, low, cols) -> jax.Array:
     """(C, C) when every matrix shares one Hessian and none falls back, else (N, C, C) with identities."""
     keys = {s.hessian_key for s in stacks}
     shared = len(keys) == 1 and all(s.hessian is None or s.hessian.ndim == 2 for s in stacks)

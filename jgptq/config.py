@@ -266,8 +266,11 @@ class PipelineConfig:
 
         check_target(self)
         object.__setattr__(self, "assignment", tuple((str(p), str(f).lower()) for p, f in self.assignment))
-        if self.method not in METHODS:
-            _fail_in("PipelineConfig", "method", self.method, f"must be one of {METHODS}")
+        from jgptq.methods import registry
+
+        if self.method not in registry.names():
+            _fail_in("PipelineConfig", "method", self.method, f"must be one of {registry.names()} (the methods "
+                     f"registered with jgptq.methods.register)")
         if self.hessian_dtype not in HESSIAN_DTYPES:
             _fail_in("PipelineConfig", "hessian_dtype", self.hessian_dtype, f"must be one of {HESSIAN_DTYPES}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:

@@ -13,6 +13,7 @@ from jgptq_torch.pipeline import layerwise
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline import run_setup
 from jgptq import bucket, mixes, plan
+from jgptq.methods import gptq as gptq_method
 from jgptq.config import PipelineConfig
 from jgptq.export import GGMLWeight
 from jgptq.ggml import encode, get_format
@@ -54,13 +55,13 @@ def assert_payloads_are_the_model(model, result):
 def test_gptq_payloads_decode_to_the_model_one_solve_per_bucket_and_rules(monkeypatch):
     _RUNS.pop(("qwen3_moe", tuple(sorted((k, str(v)) for k, v in GPTQ.items()))), None)  # counts this run's calls
     calls = []
-    original = bucket._gptq_or_plain      # a GGML bucket's one solve (GPTQ and the plain encode, the lower kept)
+    original = gptq_method.gptq_or_plain      # a GGML bucket's one solve (GPTQ and the plain encode, the lower kept)
 
     def counting(weights, hessians, importance, config, name, devices):
         calls.append((tuple(weights.shape), config.format, None if importance is None else tuple(importance.shape)))
         return original(weights, hessians, importance, config, name, devices)
 
-    monkeypatch.setattr(bucket, "_gptq_or_plain", counting)
+    monkeypatch.setattr(gptq_method, "gptq_or_plain", counting)
     ref, model, result = run("qwen3_moe", **GPTQ)
     assert_payloads_are_the_model(model, result)
     cfg = model.config

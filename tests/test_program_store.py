@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from jgptq import QuantConfig, bucket
+from jgptq import QuantConfig, gptq
+from jgptq.methods import gptq as gptq_method
 from jgptq.parallel import engine, program_store, programs
 from jgptq.parallel.experts import _Solver
 
@@ -38,7 +39,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("fn", [_Solver(QuantConfig(bits=4, group_size=128)),
-                                bucket._GPTQOrPlain(QuantConfig(format="q4_k", block_size=128))],
+                                gptq_method.GPTQOrPlain(QuantConfig(format="q4_k", block_size=128))],
                          ids=["int4", "q4_k-guard"])
 def test_stored_program_gives_the_traced_bytes(fn, store, monkeypatch, rng):
     w, h = _inputs(rng)
@@ -95,7 +96,7 @@ def test_keys_name_the_program_and_its_setting():
     # object address in their repr (a closure, a codec holding a function).
     assert program_store.stable_name(lambda w, h, i: w) is None
     assert program_store.stable_name(np.sum) is None
-    codec = _Solver(QuantConfig(bits=4, group_size=128), codec=bucket.gptq.ggml_codec("q8_0"))
+    codec = _Solver(QuantConfig(bits=4, group_size=128), codec=gptq.ggml_codec("q8_0"))
     assert program_store.stable_name(codec) is None
 
 

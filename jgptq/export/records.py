@@ -28,10 +28,14 @@ from typing import Sequence
 
 import numpy as np
 
-from jgptq.config import ACT_ORDERS, METHODS, SCALE_DTYPES
+from jgptq.config import ACT_ORDERS, SCALE_DTYPES
+from jgptq.methods import registry as methods
 
-# A record's method: one of the run's methods, or "mixed" for a stack whose experts were solved by both.
-RECORD_METHODS = METHODS + ("mixed",)
+
+def record_methods() -> tuple:
+    """What a record's ``method`` may say: a registered method's name, or ``"mixed"`` for a stack holding
+    several."""
+    return methods.names() + ("mixed",)
 
 
 def _fail(name: str, rule: str):
@@ -89,8 +93,8 @@ class QuantizedWeight:
             _fail("act_order", f"{self.act_order!r} is not one of {ACT_ORDERS}")
         if self.scale_dtype not in SCALE_DTYPES:
             _fail("scale_dtype", f"{self.scale_dtype!r} is not one of {SCALE_DTYPES}")
-        if self.method not in RECORD_METHODS:
-            _fail("method", f"{self.method!r} is not one of {RECORD_METHODS}")
+        if self.method not in record_methods():
+            _fail("method", f"{self.method!r} is not one of {record_methods()}")
         object.__setattr__(self, "transposed", bool(self.transposed))
         maxq = (1 << self.bits) - 1
 
@@ -230,8 +234,8 @@ class GGMLWeight:
 
         fmt = get_format(self.format)  # raises on an unknown name
         object.__setattr__(self, "format", fmt.name)
-        if self.method not in RECORD_METHODS:
-            raise ValueError(f"GGMLWeight method: {self.method!r} is not one of {RECORD_METHODS}")
+        if self.method not in record_methods():
+            raise ValueError(f"GGMLWeight method: {self.method!r} is not one of {record_methods()}")
         object.__setattr__(self, "transposed", bool(self.transposed))
         payload = np.asarray(self.payload)
         if payload.dtype != np.uint8:
@@ -341,8 +345,8 @@ def _readonly(arr: np.ndarray) -> np.ndarray:
 def _derived(record, **fields):
     """A checked record with some fields replaced by parts of its own arrays (an expert, some rows), made without
     checking or copying again: parts of valid arrays are valid."""
-    if fields.get("method", RECORD_METHODS[0]) not in RECORD_METHODS:
-        raise ValueError(f"{type(record).__name__} method: {fields['method']!r} is not one of {RECORD_METHODS}")
+    if "method" in fields and fields["method"] not in record_methods():
+        raise ValueError(f"{type(record).__name__} method: {fields['method']!r} is not one of {record_methods()}")
     new = object.__new__(type(record))
     new.__dict__.update(record.__dict__)
     new.__dict__.update({k: _readonly(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq.bucket import PLAIN_KEPT, MatrixPlan, Stack, quantize_bucket
-from jgptq.config import METHODS, QuantConfig
+from jgptq import methods
+from jgptq.config import QuantConfig
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
 
@@ -107,14 +108,14 @@ def solve_weight(weights, hessians, tokens, config: QuantConfig, *, method: str 
 
     Args:
       weights: float32 (E, R, C); hessians: float32 (E, C, C); tokens: int (E,) tokens behind each Hessian.
-      config: the :class:`QuantConfig`; method: ``"gptq"`` or ``"rtn"`` (round to nearest, or the plain GGML
-        encode: the baseline).
+      config: the :class:`QuantConfig`; method: a name of :mod:`jgptq.methods` (``"gptq"``, ``"rtn"``: round to
+        nearest, or the plain GGML encode, the baseline).
     Returns:
       (dequantized float32 (E, R, C), payload dict (leading E axis), report figures dict). Experts that saw no
       token are rounded to nearest (the plain encode for GGML formats) and listed in ``no_token_experts``.
     """
     tokens = np.asarray(tokens).reshape(-1)
-    empty = np.flatnonzero(tokens == 0) if method == "gptq" else np.zeros(0, np.int64)
+    empty = np.flatnonzero(tokens == 0) if methods.get(method).token_threshold else np.zeros(0, np.int64)
     if empty.size:
         log.warning("%s: experts %s saw no calibration tokens; they are rounded to nearest", name, empty.tolist())
     importance = None
@@ -212,8 +213,8 @@ def quantize_fn(fn: Callable, params, calib_batches, config: Union[QuantConfig, 
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: must be one of {METHODS}")
+    if method not in methods.names():
+        raise ValueError(f"method={method!r}: must be one of {methods.names()}")
     batches = list(calib_batches)
     if not batches:
         raise ValueError("calib_batches is empty")

@@ -60,7 +60,6 @@ from jgptq_torch.report import ModuleRecord, QuantizeResult
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from jgptq_torch.progress import LayerProgress, stage_bar
 from jgptq_torch.pipeline.run_setup import Run
-from jgptq.bucket import PLAIN_KEPT
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
 
@@ -316,7 +315,7 @@ def _record(report, layer_idx: int, m, stack, res, threshold: int) -> None:
     low = []
     for e in range(m.count):
         name = stack.name if m.layout is None else f"{stack.name}[{e}]"
-        if res.reason[e] and not res.reason[e].startswith(PLAIN_KEPT):
+        if res.reason[e] and int(stack.tokens[e]) < threshold:   # the token threshold's fallback
             low.append(e)
         report.records.append(ModuleRecord(
             name=name, layer=layer_idx, kind=m.kind, shape=(m.rows, m.cols), tokens=int(stack.tokens[e]),
