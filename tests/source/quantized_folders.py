@@ -12,8 +12,13 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+# the FP4 e2m1 magnitudes, nibble codes 0..7 (bit 3 is the sign)
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
 
 def _save_float(model, path: str) -> dict[str, torch.Tensor]:
     model.save_pretrained(path)
@@ -76,4 +81,74 @@ def write_fp8_folder(model, path: str, block=128, ignore=(), scale_dtype=torch.f
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if ignore:
         qc["modules_to_not_convert"] = list(ignore)
+    _finish(path, out, qc)
+
+
+def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(..., R, C) float, C a multiple of 32 -> blocks (..., R, C/32, 16) uint8 (low nibble = even element) and
+    scales (..., R, C/32) uint8 E8M0 (shared exponent floor(log2(max)) - 2, OCP MX), values rounded to nearest."""
+    w = np.asarray(w, dtype=np.float64)
+    g = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = np.abs(g).max(axis=-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127).clip(-127, 127)
+    x = np.abs(g) / np.exp2(exp)[..., None]
+    code = np.abs(x[..., None] - E2M1).argmin(axis=-1).astype(np.uint8)
+    code |= np.where(g < 0, 8, 0).astype(np.uint8)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, (exp + 127).astype(np.uint8)
+
+
+def write_mxfp4_folder(model, path: str) -> None:
+    """A gpt-oss style folder: each layer's ``mlp.experts.gate_up_proj`` / ``down_proj`` (E, in, out) as
+    ``*_blocks`` (E, out, in/32, 16) + ``*_scales`` (E, out, in/32); biases, attention, router stay float."""
+    tensors = _save_float(model, path)
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name and name.endswith(("gate_up_proj", "down_proj")):
+            blocks, scales = encode_mxfp4(t.to(torch.float64).transpose(1, 2).numpy())
+            out[name + "_blocks"] = torch.from_numpy(blocks)
+            out[name + "_scales"] = torch.from_numpy(scales)
+        else:
+            out[name] = t
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    _finish(path, out, qc)
+
+
+def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, symmetric=True,
+                                ignore=("lm_head",)) -> None:
+    """A compressed-tensors ``pack-quantized`` folder (Kimi-K2-Thinking style: int4, group 32, symmetric): every
+    decoder-layer linear weight not in ``ignore`` (exact names or ``re:`` regexes) quantized round-to-nearest from its group's max (asymmetric:
+    min/max) and packed by compressed-tensors' own compressor; ``weight_scale`` in the model's dtype."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.utils.match import match_name
+
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
+                            group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    qmax, qmin = 2 ** (num_bits - 1) - 1, -(2 ** (num_bits - 1))
+    tensors = _save_float(model, path)
+    out = {}
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if not is_layer_linear(name, t) or any(match_name(module, pattern) for pattern in ignore):
+            out[name] = t
+            continue
+        g = t.to(torch.float32).unflatten(-1, (-1, group_size))
+        if symmetric:
+            scale = (g.abs().amax(-1) / qmax).clamp(min=1e-8).to(t.dtype)
+            state = {"weight": t, "weight_scale": scale}
+        else:
+            lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+            scale = ((hi - lo) / (qmax - qmin)).clamp(min=1e-8).to(t.dtype)
+            zero = (qmin - torch.round(lo / scale.to(torch.float32))).clamp(qmin, qmax).to(torch.int8)
+            state = {"weight": t, "weight_scale": scale, "weight_zero_point": zero}
+        for key, value in PackedQuantizationCompressor.compress(state, scheme).items():
+            out[f"{module}.{key}"] = value
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
+                                        "input_activations": None, "output_activations": None,
+                                        "format": "pack-quantized"}},
+          "ignore": list(ignore), "kv_cache_scheme": None}
     _finish(path, out, qc)
