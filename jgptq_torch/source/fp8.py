@@ -25,7 +25,8 @@ def scales_as_float32(scale: torch.Tensor, scale_fmt: str, name: str) -> torch.T
                 f"{name}: uint8 block scales need quantization_config.scale_fmt 'ue8m0' in config.json "
                 f"(it is {scale_fmt!r})"
             )
-        return torch.ldexp(torch.ones(scale.shape, dtype=torch.float32, device=scale.device), scale.to(torch.int32) - 127)
+        ones = torch.ones(scale.shape, dtype=torch.float32, device=scale.device)
+        return torch.ldexp(ones, scale.to(torch.int32) - 127)
     if not scale.dtype.is_floating_point:
         raise ValueError(f"{name}: block scales must be floating point or uint8 E8M0, got {scale.dtype}")
     return scale.to(torch.float32)
@@ -41,7 +42,7 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_si
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"{name}: an fp8 weight must be float8_e4m3fn, got {weight.dtype}")
     if weight.ndim < 2:
-        raise ValueError(f"{name}: an fp8 block-scaled weight must have 2 or more dimensions, got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: an fp8 block-scaled weight needs 2 or more dimensions, got {tuple(weight.shape)}")
     rows, cols = weight.shape[-2:]
     br, bc = block_size
     expected = (*weight.shape[:-2], math.ceil(rows / br), math.ceil(cols / bc))
@@ -51,5 +52,22 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block_si
             f"{br}x{bc} blocks; expected {expected}"
         )
     scale = scales_as_float32(scale_inv.to(weight.device), scale_fmt, f"{name}_scale_inv")
-    scale = scale.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
-    return (weight.to(torch.float32) * scale).to(dtype)
+    out = weight.to(torch.float32)
+    # at most four regions: whole blocks, the ragged last column of blocks, the ragged last row, the corner; each
+    # is viewed as (row blocks, rows a block, column blocks, columns a block) and scaled in place
+    row_parts = _parts(rows, br)
+    col_parts = _parts(cols, bc)
+    for r0, r1, rb0, rb1 in row_parts:
+        for c0, c1, cb0, cb1 in col_parts:
+            region = out[..., r0:r1, c0:c1].unflatten(-1, (cb1 - cb0, -1)).unflatten(-3, (rb1 - rb0, -1))
+            region.mul_(scale[..., rb0:rb1, None, cb0:cb1, None])
+    return out.to(dtype)
+
+
+def _parts(size: int, block: int) -> list[tuple[int, int, int, int]]:
+    """(start, stop, first block, last block + 1) of the whole blocks of a dimension, then of its ragged end."""
+    whole = size // block
+    parts = [(0, whole * block, 0, whole)] if whole else []
+    if size % block:
+        parts.append((whole * block, size, whole, whole + 1))
+    return parts

@@ -118,13 +118,15 @@ def write_mxfp4_folder(model, path: str) -> None:
 def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, symmetric=True,
                                 ignore=("lm_head",)) -> None:
     """A compressed-tensors ``pack-quantized`` folder (Kimi-K2-Thinking style: int4, group 32, symmetric): every
-    decoder-layer linear weight not in ``ignore`` (exact names or ``re:`` regexes) quantized round-to-nearest from its group's max (asymmetric:
-    min/max) and packed by compressed-tensors' own compressor; ``weight_scale`` in the model's dtype."""
+    decoder-layer linear weight not in ``ignore`` (exact names or ``re:`` regexes) quantized round-to-nearest from
+    its group's max (asymmetric: min/max) and packed by compressed-tensors' own compressor; ``weight_scale`` in the
+    model's dtype. ``group_size=None``: one scale per output channel (the channel strategy)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.utils.match import match_name
 
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="group",
+    strategy = "group" if group_size else "channel"
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy,
                             group_size=group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     qmax, qmin = 2 ** (num_bits - 1) - 1, -(2 ** (num_bits - 1))
@@ -135,7 +137,7 @@ def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, sym
         if not is_layer_linear(name, t) or any(match_name(module, pattern) for pattern in ignore):
             out[name] = t
             continue
-        g = t.to(torch.float32).unflatten(-1, (-1, group_size))
+        g = t.to(torch.float32).unflatten(-1, (-1, group_size or t.shape[-1]))
         if symmetric:
             scale = (g.abs().amax(-1) / qmax).clamp(min=1e-8).to(t.dtype)
             state = {"weight": t, "weight_scale": scale}

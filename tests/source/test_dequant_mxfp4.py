@@ -48,7 +48,8 @@ def test_mxfp4_bitwise_against_numpy_and_transformers(mxfp4_folder):
     assert fmt.name == "mxfp4" and "lm_head" in fmt.ignore
     out = dequantize_tensors(tensors, fmt, torch.float32)
     assert not any(k.endswith(("_blocks", "_scales")) for k in out)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True))
     state = hf.state_dict()
     float_state = model.state_dict()
     for layer in range(2):

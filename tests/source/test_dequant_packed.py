@@ -22,23 +22,25 @@ def unpack_rows(words: np.ndarray, bits: int, count: int) -> np.ndarray:
     return (stream << np.arange(bits)).sum(-1)
 
 
-def reference_packed(packed, scale, shape, bits, group, zero=None) -> torch.Tensor:
-    """(q - zero) * scale per group from the format's definition (stored value = q + 2**(bits-1); zero points
-    packed the same way along rows), exact in float64, rounded once to the scale's dtype."""
+def reference_packed(packed, scale, shape, bits, zero=None) -> torch.Tensor:
+    """(q - zero) * scale per group (a channel: one group a row) from the format's definition (stored value =
+    q + 2**(bits-1); zero points packed the same way along rows), exact in float64, rounded once to the scale's
+    dtype."""
     rows, cols = shape.tolist()
+    group = cols // scale.shape[1]
     q = unpack_rows(packed.numpy(), bits, cols) - 2 ** (bits - 1)
     s = np.repeat(scale.to(torch.float64).numpy(), group, axis=1)
     z = 0 if zero is None else np.repeat(unpack_rows(zero.numpy().T, bits, rows).T - 2 ** (bits - 1), group, axis=1)
     return torch.from_numpy((q - z) * s).to(scale.dtype)
 
 
-def check_against_reference(tensors, out, bits, group, symmetric):
+def check_against_reference(tensors, out, bits, symmetric):
     checked = 0
     for name in tensors:
         if not name.endswith(".weight_packed"):
             continue
         base = name[: -len("_packed")]
-        ref = reference_packed(tensors[name], tensors[base + "_scale"], tensors[base + "_shape"], bits, group,
+        ref = reference_packed(tensors[name], tensors[base + "_scale"], tensors[base + "_shape"], bits,
                                None if symmetric else tensors[base + "_zero_point"])
         assert out[base].dtype == torch.float32
         assert torch.equal(out[base], ref.to(torch.float32)), base
@@ -68,7 +70,7 @@ def test_int4_symmetric_bitwise_against_numpy_and_transformers(int4_folder):
     assert tensors["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16  # ignored by regex
     out = dequantize_tensors(tensors, fmt, torch.float32)
     assert not any(k.endswith(("_packed", "_scale", "_shape")) for k in out)
-    assert check_against_reference(tensors, out, 4, 32, True) == 2 * (3 + 3 * 3)
+    assert check_against_reference(tensors, out, 4, True) == 2 * (3 + 3 * 3)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         loaded(torch.tensor([[1, 2, 3]]))
@@ -107,7 +109,7 @@ def test_int4_asymmetric_bitwise_against_numpy_and_transformers(tmp_path):
     assert companions("model.layers.0.mlp.down_proj.weight_packed", fmt) == [
         "model.layers.0.mlp.down_proj.weight_scale", "model.layers.0.mlp.down_proj.weight_shape", zp]
     out = dequantize_tensors(tensors, fmt, torch.float32)
-    assert check_against_reference(tensors, out, 4, 32, False) == 7
+    assert check_against_reference(tensors, out, 4, False) == 7
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     state = loaded.state_dict()
