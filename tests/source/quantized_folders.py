@@ -3,7 +3,8 @@
 Each writer saves a transformers model with ``save_pretrained`` (which writes the checkpoint names the real
 releases use: per-expert ``mlp.experts.{e}.gate_proj.weight`` for DeepSeek/Qwen3, fused ``mlp.experts.gate_up_proj``
 for gpt-oss), then rewrites the chosen weights in the quantized format and adds the release's
-``quantization_config`` to config.json. One ``model.safetensors`` file (tiny models need no index).
+``quantization_config`` to config.json. One ``model.safetensors`` file, or with ``shards=N`` N files and the
+``model.safetensors.index.json`` the releases have (:func:`read_checkpoint` reads either).
 The encoders here are plain and independent of the readers under test; tests decode with their own float64 numpy.
 """
 
@@ -25,15 +26,49 @@ def _save_float(model, path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def _finish(path: str, tensors: dict[str, torch.Tensor], quantization_config: dict) -> None:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+def _finish(path: str, tensors: dict[str, torch.Tensor], quantization_config: dict, shards: int = 1) -> None:
+    """Write the tensors (``shards`` > 1: in that many files cut in name order, so that a weight and its
+    companions may land in different files, with a ``model.safetensors.index.json``) and the config's
+    ``quantization_config``."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    single = os.path.join(path, "model.safetensors")
+    if shards <= 1:
+        save_file(tensors, single, metadata={"format": "pt"})
+    else:
+        os.remove(single)
+        names = sorted(tensors)
+        cut = -(-len(names) // shards)
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[i * cut:(i + 1) * cut]}
+            save_file(part, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         config = json.load(f)
     config["quantization_config"] = quantization_config
     with open(cfg_path, "w") as f:
         json.dump(config, f, indent=2)
+
+
+def read_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, every tensor by checkpoint name), from one model.safetensors or from the shards
+    an index names."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return config, load_file(os.path.join(path, "model.safetensors"))
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(os.path.join(path, file)))
+    return config, tensors
 
 
 def is_layer_linear(name: str, tensor: torch.Tensor) -> bool:
@@ -65,7 +100,7 @@ def encode_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     return q, scale
 
 
-def write_fp8_folder(model, path: str, block=128, ignore=(), scale_dtype=torch.float32) -> None:
+def write_fp8_folder(model, path: str, block=128, ignore=(), scale_dtype=torch.float32, shards=1) -> None:
     """A DeepSeek-V3 / Qwen3-FP8 style folder: every decoder-layer linear weight (not routers, norms, embeddings,
     lm_head, nor the modules in ``ignore``) as float8_e4m3fn ``weight`` + ``weight_scale_inv`` blocks."""
     block = (block, block) if isinstance(block, int) else tuple(block)
@@ -81,7 +116,7 @@ def write_fp8_folder(model, path: str, block=128, ignore=(), scale_dtype=torch.f
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if ignore:
         qc["modules_to_not_convert"] = list(ignore)
-    _finish(path, out, qc)
+    _finish(path, out, qc, shards)
 
 
 def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +133,7 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, (exp + 127).astype(np.uint8)
 
 
-def write_mxfp4_folder(model, path: str) -> None:
+def write_mxfp4_folder(model, path: str, shards=1) -> None:
     """A gpt-oss style folder: each layer's ``mlp.experts.gate_up_proj`` / ``down_proj`` (E, in, out) as
     ``*_blocks`` (E, out, in/32, 16) + ``*_scales`` (E, out, in/32); biases, attention, router stay float."""
     tensors = _save_float(model, path)
@@ -112,11 +147,11 @@ def write_mxfp4_folder(model, path: str) -> None:
             out[name] = t
     qc = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    _finish(path, out, qc)
+    _finish(path, out, qc, shards)
 
 
 def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, symmetric=True,
-                                ignore=("lm_head",)) -> None:
+                                ignore=("lm_head",), shards=1) -> None:
     """A compressed-tensors ``pack-quantized`` folder (Kimi-K2-Thinking style: int4, group 32, symmetric): every
     decoder-layer linear weight not in ``ignore`` (exact names or ``re:`` regexes) quantized round-to-nearest from
     its group's max (asymmetric: min/max) and packed by compressed-tensors' own compressor; ``weight_scale`` in the
@@ -153,4 +188,4 @@ def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, sym
                                         "input_activations": None, "output_activations": None,
                                         "format": "pack-quantized"}},
           "ignore": list(ignore), "kv_cache_scheme": None}
-    _finish(path, out, qc)
+    _finish(path, out, qc, shards)

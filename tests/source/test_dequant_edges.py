@@ -1,13 +1,16 @@
 """Source formats beyond the first cases: a DeepSeek-V3 FP8 folder read layer by layer, fused 3-D FP8 weights,
 pack-quantized widths that straddle int32 words and the channel strategy, config groups, and CUDA tensors."""
 
+import json
+
 import pytest
 import torch
 
 from jgptq_torch.source import PackScheme, SourceFormat, companions, dequantize_tensors, source_format
 from jgptq_torch.source.formats import pack_scheme
-from tests.source.quantized_folders import write_fp8_folder, write_mxfp4_folder, write_pack_quantized_folder
-from tests.source.test_dequant_fp8 import FP8, fp8_subset, read_folder, reference_fp8
+from tests.source.quantized_folders import (read_checkpoint, write_fp8_folder, write_mxfp4_folder,
+                                            write_pack_quantized_folder)
+from tests.source.test_dequant_fp8 import FP8, fp8_subset, read_folder, reference_fp8, tiny_qwen3_moe
 from tests.source.test_dequant_mxfp4 import tiny_gpt_oss
 from tests.source.test_dequant_packed import check_against_reference
 
@@ -47,6 +50,30 @@ def test_deepseek_v3_fp8_read_layer_by_layer(tmp_path):
             else:
                 assert torch.equal(out[name], tensors[name]), name
     assert quantized == 5 + 3 + (5 + 3 * 3 + 3)  # MLA x5, dense MLP; MLA x5, 3 experts, shared expert
+
+
+def test_sharded_fp8_folder_reads_like_one_file(tmp_path):
+    """Four shards cut in name order, so some weights and their scales sit in different files; transformers
+    loads the sharded folder through its index to the same weights."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
+    write_fp8_folder(tiny_qwen3_moe(128, 64, seed=6), one)
+    write_fp8_folder(tiny_qwen3_moe(128, 64, seed=6), sharded, shards=4)
+    with open(f"{sharded}/model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert len(set(weight_map.values())) == 4
+    assert any(weight_map[n] != weight_map[n + "_scale_inv"] for n in weight_map if n + "_scale_inv" in weight_map)
+    config, tensors = read_checkpoint(sharded)
+    assert set(tensors) == set(weight_map)
+    ours = dequantize_tensors(tensors, source_format(config), torch.float32)
+    reference = dequantize_tensors(read_checkpoint(one)[1], source_format(config), torch.float32)
+    assert set(ours) == set(reference) and all(torch.equal(ours[k], reference[k]) for k in ours)
+    hf = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    state = hf.state_dict()
+    for name in ("model.layers.1.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        assert torch.equal(state[name], ours[name]), name
 
 
 def test_fp8_fused_3d_weight_is_each_slice():
@@ -95,8 +122,6 @@ def test_pack_scheme_picks_the_group_by_target():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_tensors_dequantize_on_the_device_as_on_cpu(tmp_path):
-    from tests.source.test_dequant_fp8 import tiny_qwen3_moe
-
     writers = [(write_fp8_folder, tiny_qwen3_moe(192, 160)), (write_mxfp4_folder, tiny_gpt_oss()),
                (write_pack_quantized_folder, tiny_qwen3_moe(128, 64))]
     for i, (write, model) in enumerate(writers):

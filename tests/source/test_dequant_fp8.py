@@ -1,16 +1,12 @@
 """FP8 e4m3 with 128x128 block scales, read back from tiny Qwen3-MoE folders written in that format, against a
 float64 numpy decoding of the format and against transformers' own FP8 dequantizing load."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from jgptq_torch.source import companions, dequantize_tensors, source_format
-from tests.source.quantized_folders import write_fp8_folder
+from tests.source.quantized_folders import read_checkpoint, write_fp8_folder
 
 
 def e4m3_decode(bits: np.ndarray) -> np.ndarray:
@@ -47,9 +43,7 @@ def tiny_qwen3_moe(hidden, moe_inter, seed=0):
 
 
 def read_folder(path):
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    return config, load_file(os.path.join(path, "model.safetensors"))
+    return read_checkpoint(path)
 
 
 @pytest.fixture(scope="module")
