@@ -5,6 +5,8 @@ Each format names its quantized weight's companions by suffix:
 - mxfp4: ``X_blocks`` (uint8) + ``X_scales`` (uint8 E8M0)             -> ``X``
 - pack_quantized: ``P.weight_packed`` + ``P.weight_scale`` + ``P.weight_shape`` (+ ``P.weight_zero_point`` when
   asymmetric)                                                        -> ``P.weight``
+- compressed_tensors, float/int-quantized groups: ``P.weight`` (float8_e4m3fn or int8) + ``P.weight_scale``
+  (+ ``P.weight_zero_point``)                                        -> ``P.weight``
 Everything else passes through, floating tensors cast to the requested dtype.
 """
 
@@ -17,13 +19,15 @@ import torch
 from .formats import SourceFormat, pack_scheme
 
 # suffix -> role, per format; the plain name is the checkpoint name with the suffix replaced by the plain suffix
+_CT_ROLES = {".weight_packed": "packed", ".weight_scale": "scale", ".weight_shape": "shape",
+             ".weight_zero_point": "zero_point", ".weight": "weight"}
 _ROLES = {
     "fp8_block": {".weight_scale_inv": "scale", ".weight": "weight"},
     "mxfp4": {"_blocks": "blocks", "_scales": "scales"},
-    "pack_quantized": {".weight_packed": "packed", ".weight_scale": "scale", ".weight_shape": "shape",
-                       ".weight_zero_point": "zero_point"},
+    "pack_quantized": _CT_ROLES,
+    "compressed_tensors": _CT_ROLES,
 }
-_PLAIN_SUFFIX = {"fp8_block": ".weight", "mxfp4": "", "pack_quantized": ".weight"}
+_PLAIN_SUFFIX = {"fp8_block": ".weight", "mxfp4": "", "pack_quantized": ".weight", "compressed_tensors": ".weight"}
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                             "float8_e8m0fnu") if hasattr(torch, n))
 
@@ -46,13 +50,19 @@ def _module_of(plain: str, fmt: SourceFormat) -> str:
     return plain[: -len(".weight")]
 
 
-def _roles_needed(plain: str, fmt: SourceFormat) -> tuple[str, ...]:
+def _roles_needed(plain: str, fmt: SourceFormat) -> tuple[str, ...] | None:
+    """The parts a quantized weight is stored in; None where no compressed-tensors config group covers it."""
     if fmt.name == "fp8_block":
         return ("weight", "scale")
     if fmt.name == "mxfp4":
         return ("blocks", "scales")
     scheme = pack_scheme(fmt, _module_of(plain, fmt))
-    return ("packed", "scale", "shape") + (() if scheme.symmetric else ("zero_point",))
+    if scheme is None:
+        return None
+    zero = () if scheme.symmetric else ("zero_point",)
+    if scheme.format == "pack-quantized":
+        return ("packed", "scale", "shape") + zero
+    return ("weight", "scale") + zero
 
 
 def companions(name: str, fmt: SourceFormat | None, available: Collection[str] | None = None) -> list[str]:
@@ -68,10 +78,13 @@ def companions(name: str, fmt: SourceFormat | None, available: Collection[str] |
     if split is None:
         return []
     plain, role = split
-    if fmt.is_ignored(_module_of(plain, fmt)) and role == "weight":
+    if role == "weight" and fmt.is_ignored(_module_of(plain, fmt)):
         return []
+    needed = _roles_needed(plain, fmt)
+    if needed is None or (role == "weight" and role not in needed):
+        return []  # no group covers it, or a pack-quantized checkpoint's plain weight: float
     base = plain[: len(plain) - len(_PLAIN_SUFFIX[fmt.name])]
-    names = [base + _suffix_of(fmt, r) for r in _roles_needed(plain, fmt) if r != role]
+    names = [base + _suffix_of(fmt, r) for r in needed if r != role]
     if available is not None:
         names = [n for n in names if n in available]
     return names
@@ -122,9 +135,9 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], fmt: SourceFormat | Non
 
 def _dequantize_group(plain: str, parts: dict[str, tuple[str, torch.Tensor]], fmt: SourceFormat,
                       dtype: torch.dtype) -> torch.Tensor:
-    if fmt.name == "fp8_block" and set(parts) == {"weight"}:
+    if set(parts) == {"weight"}:
         name, weight = parts["weight"]
-        if weight.dtype != torch.float8_e4m3fn:
+        if weight.dtype.is_floating_point and weight.dtype not in _FLOAT8:
             return _plain(name, weight, dtype, fmt)  # a float weight (router, norm, ignored module)
     module = _module_of(plain, fmt)
     base = plain[: len(plain) - len(_PLAIN_SUFFIX[fmt.name])]
@@ -134,6 +147,9 @@ def _dequantize_group(plain: str, parts: dict[str, tuple[str, torch.Tensor]], fm
             f"({fmt.name}) but the checkpoint stores it quantized"
         )
     needed = _roles_needed(plain, fmt)
+    if needed is None:
+        raise ValueError(f"{', '.join(n for n, _ in parts.values())}: no config group of config.json's "
+                         f"quantization_config covers module {module!r}")
     missing = [base + _suffix_of(fmt, r) for r in needed if r not in parts]
     if missing:
         have = ", ".join(n for n, _ in parts.values())
@@ -150,6 +166,12 @@ def _dequantize_group(plain: str, parts: dict[str, tuple[str, torch.Tensor]], fm
         from .mxfp4 import dequantize_mxfp4
 
         return dequantize_mxfp4(parts["blocks"][1], parts["scales"][1], dtype, name=base)
-    from .packed import dequantize_packed
+    scheme = pack_scheme(fmt, module)
+    tensors = {r: t for r, (_, t) in parts.items()}
+    if scheme.format == "pack-quantized":
+        from .packed import dequantize_packed
 
-    return dequantize_packed({r: t for r, (_, t) in parts.items()}, pack_scheme(fmt, module), dtype, name=base)
+        return dequantize_packed(tensors, scheme, dtype, name=base)
+    from .compressed_bytes import dequantize_bytes
+
+    return dequantize_bytes(tensors, scheme, dtype, name=base)

@@ -2,8 +2,9 @@
 
 Supported: ``quant_method: "fp8"`` with ``weight_block_size`` (DeepSeek-V3/R1, Kimi-K2, Qwen3 and GLM ``-FP8``
 releases), ``quant_method: "mxfp4"`` (gpt-oss experts) and ``quant_method: "compressed-tensors"`` with
-``format: "pack-quantized"`` integer weights (Kimi-K2-Thinking and other llm-compressor releases). Anything else is
-refused with an error naming config.json, the value found and the supported values.
+``format: "pack-quantized"`` integer weights (Kimi-K2-Thinking and other llm-compressor releases) or one value a
+byte (``float-quantized`` FP8, ``int-quantized`` int8: the ``-FP8-dynamic``/``-FP8-block``/``W8A8`` releases).
+Anything else is refused with an error naming config.json, the value found and the supported values.
 """
 
 from __future__ import annotations
@@ -12,33 +13,43 @@ import re
 from dataclasses import dataclass
 
 SUPPORTED_METHODS = ("fp8", "mxfp4", "compressed-tensors")
+CT_NAMES = ("pack_quantized", "compressed_tensors")
 FP8_SCALE_FORMATS = ("float", "ue8m0")
+CT_FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
 PACK_STRATEGIES = ("group", "channel")
+BYTE_STRATEGIES = ("channel", "group", "block", "tensor")
 
 
 @dataclass(frozen=True)
 class PackScheme:
-    """One compressed-tensors config group of integer weights.
+    """One compressed-tensors config group.
 
     targets: the group's ``targets`` (``"re:"`` regexes, exact module names, or class names such as ``"Linear"``);
-    num_bits 1..8; symmetric (False: a packed ``weight_zero_point`` is stored); strategy ``"group"`` or
-    ``"channel"``; group_size (``None`` for channel)."""
+    num_bits 1..8 (8 for the one-value-a-byte formats); symmetric (False: a ``weight_zero_point`` is stored);
+    strategy ``"group"``, ``"channel"`` (pack-quantized) or also ``"block"``, ``"tensor"`` (the others);
+    group_size (group only); format: ``"pack-quantized"`` (int values packed in int32), ``"float-quantized"``
+    (float8_e4m3fn weights), ``"int-quantized"`` (int8 weights), ``"naive-quantized"`` (either); type
+    ``"int"`` or ``"float"``; block: (rows, cols) of a scale block (block only)."""
 
     targets: tuple[str, ...]
     num_bits: int
     symmetric: bool
     strategy: str
     group_size: int | None
+    format: str = "pack-quantized"
+    type: str = "int"
+    block: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class SourceFormat:
     """How a checkpoint's weights are stored.
 
-    name: ``"fp8_block"``, ``"mxfp4"`` or ``"pack_quantized"``.
+    name: ``"fp8_block"``, ``"mxfp4"``, ``"pack_quantized"`` (compressed-tensors, every group pack-quantized) or
+    ``"compressed_tensors"`` (compressed-tensors with float-, int- or naive-quantized groups).
     block_size: (rows, cols) of one FP8 scale block (fp8_block only).
     scale_fmt: ``"float"`` or ``"ue8m0"`` (power-of-two scales; fp8_block only).
-    schemes: the integer config groups (pack_quantized only).
+    schemes: the config groups (the compressed-tensors formats).
     ignore: module patterns left in float (``modules_to_not_convert`` or compressed-tensors ``ignore``).
     """
 
@@ -52,7 +63,7 @@ class SourceFormat:
         """Whether ``module`` (a dotted module name, no ``.weight``) is listed as left in float."""
         if not self.ignore:
             return False
-        if self.name == "pack_quantized":
+        if self.name in CT_NAMES:
             return any(_ct_match(module, pattern) for pattern in self.ignore)
         return _hf_skip(module, self.ignore)
 
@@ -94,7 +105,7 @@ def source_format(config: dict) -> SourceFormat | None:
     if method == "mxfp4":
         return SourceFormat("mxfp4", ignore=tuple(qc.get("modules_to_not_convert") or ()))
     if method == "compressed-tensors":
-        return _pack_format(qc)
+        return _ct_format(qc)
     raise _refuse("quant_method", method, SUPPORTED_METHODS)
 
 
@@ -118,65 +129,80 @@ def _fp8_format(qc: dict) -> SourceFormat:
     return SourceFormat("fp8_block", block_size=(block[0], block[1]), scale_fmt=scale_fmt, ignore=tuple(ignore))
 
 
-def _pack_format(qc: dict) -> SourceFormat:
+def _ct_format(qc: dict) -> SourceFormat:
     top = qc.get("format")
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse("quantization_status", status, ("compressed",))
     groups = qc.get("config_groups") or {}
     if not groups:
-        raise ValueError("config.json: quantization_config.config_groups is empty; pack-quantized needs one group")
-    schemes = []
-    for gname, group in groups.items():
-        where = f"config_groups.{gname}"
-        gfmt = group.get("format") or top
-        if gfmt != "pack-quantized":
-            raise _refuse(f"{where}.format", gfmt, ("pack-quantized",))
-        for act in ("input_activations", "output_activations"):
-            if group.get(act) is not None:
-                raise ValueError(
-                    f"config.json: quantization_config.{where}.{act} is set; only weight-only pack-quantized "
-                    "checkpoints are read"
-                )
-        w = group.get("weights") or {}
-        if w.get("type", "int") != "int":
-            raise _refuse(f"{where}.weights.type", w.get("type"), ("int",))
-        bits = w.get("num_bits")
-        if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise _refuse(f"{where}.weights.num_bits", bits, range(1, 9))
-        strategy = w.get("strategy")
-        if strategy not in PACK_STRATEGIES:
-            raise _refuse(f"{where}.weights.strategy", strategy, PACK_STRATEGIES)
-        group_size = w.get("group_size")
-        if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
-            raise ValueError(
-                f"config.json: quantization_config.{where}.weights.group_size is {group_size!r}; the group "
-                "strategy needs a positive integer"
-            )
-        targets = tuple(group.get("targets") or ())
-        for t in targets:
-            if t.startswith("re:"):
-                re.compile(t[3:])
-        schemes.append(
-            PackScheme(targets, bits, bool(w.get("symmetric", True)), strategy,
-                       group_size if strategy == "group" else None)
+        raise ValueError("config.json: quantization_config.config_groups is empty; compressed-tensors needs a group")
+    schemes = tuple(_ct_scheme(f"config_groups.{name}", group, top) for name, group in groups.items())
+    name = "pack_quantized" if all(s.format == "pack-quantized" for s in schemes) else "compressed_tensors"
+    return SourceFormat(name, schemes=schemes, ignore=tuple(qc.get("ignore") or ()))
+
+
+def _ct_scheme(where: str, group: dict, top: str | None) -> PackScheme:
+    gfmt = group.get("format") or top
+    if gfmt not in CT_FORMATS:
+        raise _refuse(f"{where}.format", gfmt, CT_FORMATS)
+    if group.get("output_activations") is not None:
+        raise ValueError(f"config.json: quantization_config.{where}.output_activations is set; not read")
+    act = group.get("input_activations")
+    if act is not None and not act.get("dynamic"):
+        raise ValueError(
+            f"config.json: quantization_config.{where}.input_activations is static (stored input scales); only "
+            "weight-only or dynamic-activation checkpoints are read"
         )
-    return SourceFormat("pack_quantized", schemes=tuple(schemes), ignore=tuple(qc.get("ignore") or ()))
+    w = group.get("weights") or {}
+    kinds = ("int",) if gfmt in ("pack-quantized", "int-quantized") else ("float",) if gfmt == "float-quantized" \
+        else ("int", "float")
+    wtype = w.get("type", "int")
+    if wtype not in kinds:
+        raise _refuse(f"{where}.weights.type", wtype, kinds)
+    bits = w.get("num_bits")
+    allowed_bits = range(1, 9) if gfmt == "pack-quantized" else (8,)
+    if bits not in allowed_bits:
+        raise _refuse(f"{where}.weights.num_bits", bits, allowed_bits)
+    strategy = w.get("strategy")
+    strategies = PACK_STRATEGIES if gfmt == "pack-quantized" else BYTE_STRATEGIES
+    if strategy not in strategies:
+        raise _refuse(f"{where}.weights.strategy", strategy, strategies)
+    group_size = w.get("group_size")
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise ValueError(
+            f"config.json: quantization_config.{where}.weights.group_size is {group_size!r}; the group "
+            "strategy needs a positive integer"
+        )
+    block = w.get("block_structure")
+    if strategy == "block" and not (isinstance(block, list) and len(block) == 2
+                                    and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(
+            f"config.json: quantization_config.{where}.weights.block_structure is {block!r}; the block strategy "
+            "needs two positive integers"
+        )
+    targets = tuple(group.get("targets") or ())
+    for t in targets:
+        if t.startswith("re:"):
+            re.compile(t[3:])
+    return PackScheme(targets, bits, bool(w.get("symmetric", True)), strategy,
+                      group_size if strategy == "group" else None, format=gfmt, type=wtype,
+                      block=tuple(block) if strategy == "block" else None)
 
 
-def pack_scheme(fmt: SourceFormat, module: str) -> PackScheme:
+def pack_scheme(fmt: SourceFormat, module: str) -> PackScheme | None:
     """The config group whose targets cover ``module``: a ``re:`` regex or exact-name target first, else a group
-    targeting a class name (such as ``"Linear"``); exactly one must apply."""
+    targeting a class name (such as ``"Linear"``). None when no group applies; ValueError when several do."""
     if len(fmt.schemes) == 1:
         return fmt.schemes[0]
     by_name = [s for s in fmt.schemes if any(_is_name_target(t) and _ct_match(module, t) for t in s.targets)]
     chosen = by_name or [s for s in fmt.schemes if any(not _is_name_target(t) for t in s.targets)]
-    if len(chosen) != 1:
+    if len(chosen) > 1:
         raise ValueError(
             f"config.json: {len(chosen)} config_groups of quantization_config apply to module {module!r}; "
-            "exactly one must"
+            "at most one may"
         )
-    return chosen[0]
+    return chosen[0] if chosen else None
 
 
 def _is_name_target(target: str) -> bool:

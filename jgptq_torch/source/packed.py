@@ -14,11 +14,13 @@ import torch
 from .formats import PackScheme
 
 
-def _ct_scheme(scheme: PackScheme):
+def ct_scheme(scheme: PackScheme):
+    """compressed-tensors' own QuantizationScheme for a config group."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=scheme.num_bits, type="int", symmetric=scheme.symmetric,
-                            strategy=scheme.strategy, group_size=scheme.group_size)
+    args = QuantizationArgs(num_bits=scheme.num_bits, type=scheme.type, symmetric=scheme.symmetric,
+                            strategy=scheme.strategy, group_size=scheme.group_size,
+                            block_structure=list(scheme.block) if scheme.block else None)
     return QuantizationScheme(targets=list(scheme.targets) or ["Linear"], weights=args)
 
 
@@ -65,5 +67,5 @@ def dequantize_packed(parts: dict[str, torch.Tensor], scheme: PackScheme, dtype:
             raise ValueError(f"{name}.weight_zero_point: shape {tuple(zp.shape)} {zp.dtype}; expected int32 "
                              f"{zp_shape} (packed along rows)")
         state["weight_zero_point"] = zp.to(device)
-    weight = PackedQuantizationCompressor.decompress(state, _ct_scheme(scheme))["weight"]
+    weight = PackedQuantizationCompressor.decompress(state, ct_scheme(scheme))["weight"]
     return weight.to(dtype)

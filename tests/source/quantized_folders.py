@@ -189,3 +189,52 @@ def write_pack_quantized_folder(model, path: str, num_bits=4, group_size=32, sym
                                         "format": "pack-quantized"}},
           "ignore": list(ignore), "kv_cache_scheme": None}
     _finish(path, out, qc, shards)
+
+
+def write_compressed_bytes_folder(model, path: str, type="float", strategy="channel", block=(128, 128),
+                                  group_size=128, ignore=("lm_head",), shards=1) -> None:
+    """A compressed-tensors folder stored one value a byte, as the ``-FP8-dynamic`` (float, channel),
+    ``-FP8-block`` (float, block 128x128) and ``W8A8`` (int, channel) releases are: every decoder-layer linear
+    weight not in ``ignore`` as ``weight`` (float8_e4m3fn or int8) + ``weight_scale`` (the model's dtype; max-abs
+    over the region / 448 or / 127), quantized by compressed-tensors' own compressor; dynamic per-token input
+    activations in the config, as those releases have (no tensors stored for them)."""
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.utils.match import match_name
+
+    fmt = "float-quantized" if type == "float" else "int-quantized"
+    args = QuantizationArgs(num_bits=8, type=type, symmetric=True, strategy=strategy,
+                            group_size=group_size if strategy == "group" else None,
+                            block_structure=list(block) if strategy == "block" else None)
+    acts = QuantizationArgs(num_bits=8, type=type, symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    top = 448.0 if type == "float" else 127.0
+    tensors = _save_float(model, path)
+    out = {}
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if not is_layer_linear(name, t) or any(match_name(module, pattern) for pattern in ignore):
+            out[name] = t
+            continue
+        w = t.to(torch.float32)
+        rows, cols = w.shape
+        if strategy == "channel":
+            amax = w.abs().amax(-1, keepdim=True)
+        elif strategy == "group":
+            amax = w.unflatten(-1, (-1, group_size)).abs().amax(-1)
+        elif strategy == "tensor":
+            amax = w.abs().amax().reshape(1)
+        else:
+            br, bc = block
+            padded = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
+            padded[:rows, :cols] = w.abs()
+            amax = padded.unflatten(0, (-1, br)).unflatten(-1, (-1, bc)).amax((1, 3))
+        scale = (amax / top).clamp(min=1e-12).to(t.dtype)
+        for key, value in NaiveQuantizationCompressor.compress({"weight": t, "weight_scale": scale}, scheme).items():
+            out[f"{module}.{key}"] = value
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
+                                        "input_activations": acts.model_dump(mode="json"),
+                                        "output_activations": None, "format": fmt}},
+          "ignore": list(ignore), "kv_cache_scheme": None}
+    _finish(path, out, qc, shards)

@@ -115,7 +115,7 @@ def test_pack_scheme_picks_the_group_by_target():
     assert pack_scheme(fmt, "model.layers.0.mlp.experts.3.up_proj") is narrow
     clash = SourceFormat("pack_quantized", schemes=(wide, PackScheme(("re:.*q_proj",), 4, True, "group", 32)))
     with pytest.raises(ValueError, match=r"2 config_groups of quantization_config apply to module "
-                                         r"'model\.layers\.0\.self_attn\.q_proj'; exactly one must"):
+                                         r"'model\.layers\.0\.self_attn\.q_proj'; at most one may"):
         pack_scheme(clash, "model.layers.0.self_attn.q_proj")
 
 

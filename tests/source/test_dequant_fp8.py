@@ -181,9 +181,10 @@ def test_fp8_ue8m0_byte_scales():
     ({"quant_method": "fp8"}, r"weight_block_size is None; fp8 checkpoints are read only with block scales"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      r"activation_scheme is 'static'; supported: 'dynamic'"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized",
-      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}}},
-     r"config_groups\.g\.format is 'float-quantized'; supported: 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}},
+     r"config_groups\.g\.format is 'nvfp4-pack-quantized'; supported: 'pack-quantized', 'float-quantized', "
+     r"'int-quantized', 'naive-quantized'"),
 ])
 def test_unknown_or_unsupported_config_refused(qc, message):
     with pytest.raises(ValueError, match=r"^config\.json: quantization_config\." + message):

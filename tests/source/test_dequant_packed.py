@@ -145,7 +145,9 @@ def test_packed_companions_and_refusals(int4_folder):
 
 @pytest.mark.parametrize("change, message", [
     ({"quantization_status": "frozen"}, r"quantization_status is 'frozen'; supported: 'compressed'"),
-    ({"input_activations": {"num_bits": 8}}, r"config_groups\.group_0\.input_activations is set; only weight-only"),
+    ({"input_activations": {"num_bits": 8, "dynamic": False}},
+     r"config_groups\.group_0\.input_activations is static \(stored input scales\); only weight-only or dynamic"),
+    ({"num_bits": 9}, r"config_groups\.group_0\.weights\.num_bits is 9; supported: 1, 2, 3, 4, 5, 6, 7, 8"),
     ({"strategy": "block"}, r"config_groups\.group_0\.weights\.strategy is 'block'; supported: 'group', 'channel'"),
 ])
 def test_packed_config_refusals(int4_folder, change, message):
