@@ -192,11 +192,11 @@ def _ct_scheme(where: str, group: dict, top: str | None) -> PackScheme:
 
 def pack_scheme(fmt: SourceFormat, module: str) -> PackScheme | None:
     """The config group whose targets cover ``module``: a ``re:`` regex or exact-name target first, else a group
-    targeting a class name (such as ``"Linear"``). None when no group applies; ValueError when several do."""
-    if len(fmt.schemes) == 1:
-        return fmt.schemes[0]
+    targeting a class name (such as ``"Linear"``) or nothing in particular (no targets). None when no group
+    applies; ValueError when several do."""
     by_name = [s for s in fmt.schemes if any(_is_name_target(t) and _ct_match(module, t) for t in s.targets)]
-    chosen = by_name or [s for s in fmt.schemes if any(not _is_name_target(t) for t in s.targets)]
+    chosen = by_name or [s for s in fmt.schemes
+                         if not s.targets or any(not _is_name_target(t) for t in s.targets)]
     if len(chosen) > 1:
         raise ValueError(
             f"config.json: {len(chosen)} config_groups of quantization_config apply to module {module!r}; "

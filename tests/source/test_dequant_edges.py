@@ -113,6 +113,14 @@ def test_pack_scheme_picks_the_group_by_target():
     fmt = SourceFormat("pack_quantized", schemes=(narrow, wide))
     assert pack_scheme(fmt, "model.layers.0.self_attn.q_proj") is wide
     assert pack_scheme(fmt, "model.layers.0.mlp.experts.3.up_proj") is narrow
+    only_mlp = SourceFormat("pack_quantized", schemes=(PackScheme(("re:.*mlp.*",), 4, True, "group", 32),))
+    assert pack_scheme(only_mlp, "model.layers.0.mlp.down_proj") is only_mlp.schemes[0]
+    assert pack_scheme(only_mlp, "model.layers.0.self_attn.q_proj") is None
+    assert companions("model.layers.0.self_attn.q_proj.weight", only_mlp) == []
+    with pytest.raises(ValueError, match=r"q_proj\.weight_packed: no config group of config\.json's "
+                                         r"quantization_config covers module 'model\.layers\.0\.self_attn\.q_proj'"):
+        dequantize_tensors({"model.layers.0.self_attn.q_proj.weight_packed": torch.zeros(4, 1, dtype=torch.int32)},
+                           only_mlp, torch.float32)
     clash = SourceFormat("pack_quantized", schemes=(wide, PackScheme(("re:.*q_proj",), 4, True, "group", 32)))
     with pytest.raises(ValueError, match=r"2 config_groups of quantization_config apply to module "
                                          r"'model\.layers\.0\.self_attn\.q_proj'; at most one may"):
