@@ -16,7 +16,11 @@ from collections.abc import Collection
 
 import torch
 
+from .compressed_bytes import dequantize_bytes
 from .formats import SourceFormat, pack_scheme
+from .fp8 import dequantize_fp8_block
+from .mxfp4 import dequantize_mxfp4
+from .packed import dequantize_packed
 
 # suffix -> role, per format; the plain name is the checkpoint name with the suffix replaced by the plain suffix
 _CT_ROLES = {".weight_packed": "packed", ".weight_scale": "scale", ".weight_shape": "shape",
@@ -158,20 +162,12 @@ def _dequantize_group(plain: str, parts: dict[str, tuple[str, torch.Tensor]], fm
     if extra:
         raise ValueError(f"{', '.join(extra)}: not expected beside {plain} ({fmt.name}, config.json)")
     if fmt.name == "fp8_block":
-        from .fp8 import dequantize_fp8_block
-
         return dequantize_fp8_block(parts["weight"][1], parts["scale"][1], fmt.block_size, dtype,
                                     scale_fmt=fmt.scale_fmt, name=parts["weight"][0])
     if fmt.name == "mxfp4":
-        from .mxfp4 import dequantize_mxfp4
-
         return dequantize_mxfp4(parts["blocks"][1], parts["scales"][1], dtype, name=base)
     scheme = pack_scheme(fmt, module)
     tensors = {r: t for r, (_, t) in parts.items()}
     if scheme.format == "pack-quantized":
-        from .packed import dequantize_packed
-
         return dequantize_packed(tensors, scheme, dtype, name=base)
-    from .compressed_bytes import dequantize_bytes
-
     return dequantize_bytes(tensors, scheme, dtype, name=base)
