@@ -3,7 +3,7 @@ scales, MXFP4 experts, compressed-tensors ``pack-quantized`` integers or one-val
 ``config.json`` (:mod:`.formats`) and dequantized on read, one subset of tensors at a time (:mod:`.dequant`, with
 one file per format: :mod:`.fp8`, :mod:`.mxfp4`, :mod:`.packed`, :mod:`.compressed_bytes`)."""
 
-from .dequant import companions, dequantize_tensors
+from .dequant import companions, dequantize_tensors, plain_name
 from .formats import PackScheme, SourceFormat, source_format
 
-__all__ = ["PackScheme", "SourceFormat", "companions", "dequantize_tensors", "source_format"]
+__all__ = ["PackScheme", "SourceFormat", "companions", "dequantize_tensors", "plain_name", "source_format"]

@@ -69,6 +69,14 @@ def _roles_needed(plain: str, fmt: SourceFormat) -> tuple[str, ...] | None:
     return ("weight", "scale") + zero
 
 
+def plain_name(name: str, fmt: SourceFormat | None) -> str:
+    """The name :func:`dequantize_tensors` gives the tensor that checkpoint name ``name`` is (or is part of):
+    ``...weight_scale_inv`` / ``...weight_packed`` -> ``...weight``, ``..._blocks`` -> ``...``; other names
+    unchanged."""
+    split = None if fmt is None else _split(name, fmt)
+    return name if split is None else split[0]
+
+
 def companions(name: str, fmt: SourceFormat | None, available: Collection[str] | None = None) -> list[str]:
     """The checkpoint names to read together with ``name`` so that :func:`dequantize_tensors` can dequantize it.
 

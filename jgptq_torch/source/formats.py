@@ -111,7 +111,8 @@ def source_format(config: dict) -> SourceFormat | None:
 
 def _fp8_format(qc: dict) -> SourceFormat:
     block = qc.get("weight_block_size")
-    if block is None or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0
+                                                                          for b in block):
         raise ValueError(
             f"config.json: quantization_config.weight_block_size is {block!r}; fp8 checkpoints are read only with "
             "block scales, two positive integers such as [128, 128]"

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from jgptq_torch.source import PackScheme, SourceFormat, companions, dequantize_tensors, source_format
+from jgptq_torch.source import (PackScheme, SourceFormat, companions, dequantize_tensors, plain_name,
+                                source_format)
 from jgptq_torch.source.formats import pack_scheme
 from tests.source.quantized_folders import (read_checkpoint, write_fp8_folder, write_mxfp4_folder,
                                             write_pack_quantized_folder)
@@ -41,7 +42,7 @@ def test_deepseek_v3_fp8_read_layer_by_layer(tmp_path):
         names = {n for n in tensors if n.startswith(prefix) and not n.endswith("_scale_inv")}
         subset = {m: tensors[m] for n in names for m in [n, *companions(n, fmt, available)]}
         out = dequantize_tensors(subset, fmt, torch.float32)
-        assert set(out) == names
+        assert set(out) == names == {plain_name(n, fmt) for n in subset}
         for name in names:
             if tensors[name].dtype == torch.float8_e4m3fn:
                 ref = torch.from_numpy(reference_fp8(tensors[name], tensors[name + "_scale_inv"]))
@@ -116,6 +117,10 @@ def test_pack_scheme_picks_the_group_by_target():
     only_mlp = SourceFormat("pack_quantized", schemes=(PackScheme(("re:.*mlp.*",), 4, True, "group", 32),))
     assert pack_scheme(only_mlp, "model.layers.0.mlp.down_proj") is only_mlp.schemes[0]
     assert pack_scheme(only_mlp, "model.layers.0.self_attn.q_proj") is None
+    assert plain_name("a.weight_packed", only_mlp) == plain_name("a.weight_zero_point", only_mlp) == "a.weight"
+    assert plain_name("e.down_proj_scales", source_format({"quantization_config": {"quant_method": "mxfp4"}})) \
+        == "e.down_proj"
+    assert plain_name("a.weight_scale_inv", None) == "a.weight_scale_inv"
     assert companions("model.layers.0.self_attn.q_proj.weight", only_mlp) == []
     with pytest.raises(ValueError, match=r"q_proj\.weight_packed: no config group of config\.json's "
                                          r"quantization_config covers module 'model\.layers\.0\.self_attn\.q_proj'"):

@@ -179,6 +179,7 @@ def test_fp8_ue8m0_byte_scales():
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "awq"}, r"quant_method is 'awq'; supported: 'fp8', 'mxfp4', 'compressed-tensors'"),
     ({"quant_method": "fp8"}, r"weight_block_size is None; fp8 checkpoints are read only with block scales"),
+    ({"quant_method": "fp8", "weight_block_size": 128}, r"weight_block_size is 128; fp8 checkpoints are read only"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      r"activation_scheme is 'static'; supported: 'dynamic'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
