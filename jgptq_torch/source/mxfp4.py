@@ -6,6 +6,8 @@ experts the layout transformers' GptOss model and the bf16 gpt-oss checkpoints u
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -27,4 +29,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             f"{name}_scales: shape {tuple(scales.shape)} does not fit {name}_blocks {tuple(blocks.shape)}; "
             f"expected {tuple(blocks.shape[:-1])}"
         )
-    return convert_moe_packed_tensors(blocks, scales.to(blocks.device), dtype=dtype)
+    out = convert_moe_packed_tensors(blocks, scales.to(blocks.device), dtype=dtype)
+    if out.device != blocks.device:
+        # transformers' function finishes on the CPU when the device runs out of memory: say so, then move back
+        warnings.warn(f"{name}_blocks: dequantized on {out.device}, not {blocks.device} (transformers' "
+                      "convert_moe_packed_tensors ran out of device memory); moving the result back", stacklevel=2)
+        out = out.to(blocks.device)
+    return out

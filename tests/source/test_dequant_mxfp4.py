@@ -96,3 +96,20 @@ def test_mxfp4_companions_and_refusals(mxfp4_folder):
                                          r"\(3, 192, 2\)"):
         dequantize_tensors({name + "_blocks": tensors[name + "_blocks"],
                             name + "_scales": tensors[name + "_scales"][..., :1]}, fmt, torch.float32)
+
+
+def test_mxfp4_result_moved_off_the_device_is_said(monkeypatch):
+    """transformers' function returns a CPU tensor when the device runs out of memory: a warning, not silence.
+    Here the "device" is meta and the stand-in answers on the CPU."""
+    import transformers.integrations.mxfp4 as hf_mxfp4
+
+    def on_cpu(blocks, scales, dtype):
+        return torch.zeros(blocks.shape[0], blocks.shape[2] * 32, blocks.shape[1], dtype=dtype)
+
+    monkeypatch.setattr(hf_mxfp4, "convert_moe_packed_tensors", on_cpu)
+    blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8, device="meta")
+    scales = torch.full((1, 2, 1), 127, dtype=torch.uint8, device="meta")
+    fmt = source_format({"quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.warns(UserWarning, match=r"^e\.down_proj_blocks: dequantized on cpu, not meta"):
+        out = dequantize_tensors({"e.down_proj_blocks": blocks, "e.down_proj_scales": scales}, fmt, torch.float32)
+    assert out["e.down_proj"].device.type == "meta" and out["e.down_proj"].shape == (1, 32, 2)
