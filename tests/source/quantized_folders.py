@@ -102,7 +102,7 @@ def encode_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
 
 def write_fp8_folder(model, path: str, block=128, ignore=(), scale_dtype=torch.float32, shards=1) -> None:
     """A DeepSeek-V3 / Qwen3-FP8 style folder: every decoder-layer linear weight (not routers, norms, embeddings,
-    lm_head, nor the modules in ``ignore``) as float8_e4m3fn ``weight`` + ``weight_scale_inv`` blocks."""
+    lm_head, nor the modules ``ignore`` names exactly) as float8_e4m3fn ``weight`` + ``weight_scale_inv`` blocks."""
     block = (block, block) if isinstance(block, int) else tuple(block)
     tensors = _save_float(model, path)
     out = {}

@@ -25,11 +25,8 @@ def reference_fp8(weight: torch.Tensor, scale: torch.Tensor, block=(128, 128)) -
     w = e4m3_decode(weight.view(torch.uint8).numpy())
     s = scale.to(torch.float64).numpy()
     rows, cols = w.shape
-    full = np.empty_like(w)
-    for i in range(rows):
-        for j in range(cols):
-            full[i, j] = w[i, j] * s[i // block[0], j // block[1]]
-    return full.astype(np.float32)
+    per_element = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[:rows, :cols]  # element (i, j) takes
+    return (w * per_element).astype(np.float32)                                             # s[i // br, j // bc]
 
 
 def tiny_qwen3_moe(hidden, moe_inter, seed=0):
