@@ -1,0 +1,9 @@
+"""Reading a checkpoint as plain float weights: the source formats a release may ship in (FP8 with 128x128 block
+scales, MXFP4 experts, compressed-tensors ``pack-quantized`` integers or one-value-a-byte FP8/int8) recognised from
+``config.json`` (:mod:`.formats`) and dequantized on read, one subset of tensors at a time (:mod:`.dequant`, with
+one file per format: :mod:`.fp8`, :mod:`.mxfp4`, :mod:`.packed`, :mod:`.compressed_bytes`)."""
+
+from .dequant import companions, dequantize_tensors, plain_name
+from .formats import PackScheme, SourceFormat, source_format
+
+__all__ = ["PackScheme", "SourceFormat", "companions", "dequantize_tensors", "plain_name", "source_format"]
