@@ -96,7 +96,7 @@ def block_exponent(xb):
     return jnp.where(amax_bits > 0, (floor_log2 + 125) & 0xFF, 0)
 
 
-def _scaled(xb, e):
+def scaled_values(xb, e):
     """``xb * 2**(128 - e)`` exactly, float32 (..., 32), for every |value| >= 2**-126 (smaller ones become +-0 or
     a subnormal: they take code 0 either way, being less than half the smallest level)."""
     bits = lax.bitcast_convert_type(jnp.asarray(xb, F32), _U32)
@@ -130,7 +130,7 @@ def encode_mxfp4(x, importance=None):
     del importance
     xb = blocks(jnp.asarray(x, F32), QK)
     e = block_exponent(xb)
-    codes = mxfp4_codes(_scaled(xb, e), e)
+    codes = mxfp4_codes(scaled_values(xb, e), e)
     qs = pack_nibbles(codes[..., :16], codes[..., 16:])
     return unblock(jnp.concatenate([e.astype(jnp.uint8)[..., None], qs], axis=-1))
 
