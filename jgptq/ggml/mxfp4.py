@@ -12,11 +12,13 @@ the bytes llama.cpp's with or without an imatrix):
   ``log2f`` rounds to float32, so for a max just below a power of two (up to 44 floats below it) ``floorf`` gives
   that power's exponent; :data:`LOG2F_FLOOR_STARTS` records, per result, the first float that reaches it (float64
   ``log2`` rounded to float32, which tests check against the C library's ``log2f``). For a max below 2**-125 the
-  value is negative and x86-64's conversion keeps its low 8 bits (e = 255 for 2**-126, 232 for 2**-149); llama.cpp
-  writes such blocks (its own row validator calls e = 255 invalid), and so does this encoder, byte for byte.
+  value is negative, a conversion C leaves undefined; llama.cpp's x86-64 build keeps its low 8 bits (e = 255 for
+  2**-126, 232 for 2**-149) and writes such blocks (its own row validator calls e = 255 invalid), and so does this
+  encoder, byte for byte.
 - each value takes the first level of least float32 ``|kvalues[i] * d - x|`` (ties go to the lower index, so to the
-  smaller magnitude; code 8, the second zero, is never written). For e = 253 (a block max of 2**127 or more) the
-  levels 8 d and 12 d overflow to Inf in C, so values near the largest float take at most 6 d, as there.
+  smaller magnitude; code 8, the second zero, is never written). For e = 253 (a block max within 44 floats of the
+  largest float, where log2f rounds up to 128) the levels 8 d and 12 d overflow to Inf in C, so the block's
+  values take at most 6 d, as there.
 
 Everything runs on integer bits: the levels are compared with ``x * 2**(128 - e)`` (the block scaled so that
 ``d = 1``, built exactly from the bits), which rounds every difference exactly as C's unscaled one does. So the
