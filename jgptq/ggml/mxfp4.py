@@ -160,3 +160,32 @@ def decode_mxfp4(payload):
 
 
 register("mxfp4", decode=jax.jit(decode_mxfp4), encode=jax.jit(encode_mxfp4))
+
+
+def from_packed(packed, scales) -> np.ndarray:
+    """MX-packed FP4 weights (the OCP layout of gpt-oss's ``*_blocks``/``*_scales`` and compressed-tensors'
+    ``mxfp4-pack-quantized``) as GGML MXFP4 blocks, losslessly (bits moved, nothing rounded).
+
+    Args:
+      packed: uint8 (..., cols // 2) or (..., cols // 32, 16): two E2M1 codes a byte, element 2i in the low
+        nibble and 2i + 1 in the high one.
+      scales: uint8 (..., cols // 32): one E8M0 exponent per 32 values (value = E2M1 * 2**(scale - 127)).
+    Returns:
+      uint8 (..., cols // 32 * 17): GGML MXFP4 payload rows (``decode`` gives the same values: GGML's levels are
+      twice E2M1's and its scale half, the codes index the same table).
+    Raises:
+      ValueError: a dtype other than uint8, or shapes that do not match.
+    """
+    p, s = np.asarray(packed), np.asarray(scales)
+    if p.dtype != np.uint8 or s.dtype != np.uint8:
+        raise ValueError(f"MX-packed FP4 needs uint8 codes and scales, got {p.dtype} and {s.dtype}")
+    if p.ndim >= 2 and p.shape[-1] == 16 and p.shape[:-1] == s.shape:
+        p = p.reshape(p.shape[:-2] + (p.shape[-2] * 16,))
+    if p.ndim < 1 or s.shape != p.shape[:-1] + (p.shape[-1] // 16,) or p.shape[-1] % 16:
+        raise ValueError(f"MX-packed FP4 codes of shape {np.shape(packed)} do not match scales of shape "
+                         f"{s.shape}: need (..., cols // 2) or (..., cols // 32, 16) codes and (..., cols // 32) "
+                         f"scales")
+    pb = p.reshape(s.shape + (16,))
+    codes = np.stack([pb & 0x0F, pb >> 4], axis=-1).reshape(s.shape + (32,))  # element order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([s[..., None], qs.astype(np.uint8)], axis=-1).reshape(s.shape[:-1] + (-1,))

@@ -172,3 +172,29 @@ def test_no_float_conversion_chains(golden):
     f = gg.get_format("mxfp4")
     assert convert_chains(f.encode.lower(golden["x"]).compile().as_text()) == []
     assert convert_chains(f.decode.lower(golden["payload"]).compile().as_text()) == []
+
+
+def _ocp_fp4(code, scale):
+    """OCP MX: E2M1 code (sign, 2 exponent bits, 1 mantissa bit) times 2**(scale - 127), float64."""
+    sign = np.where(code & 8, -1.0, 1.0)
+    e, m = (code >> 1) & 3, code & 1
+    mag = np.where(e == 0, 0.5 * m, np.exp2(e - 1.0) * (1 + 0.5 * m))
+    return sign * mag * np.exp2(scale.astype(np.float64) - 127)
+
+
+def test_from_packed_is_lossless_against_the_ocp_definition():
+    rng = np.random.default_rng(12)
+    packed = rng.integers(0, 256, (3, 4, 8, 16), dtype=np.uint8)  # (experts, rows, blocks, 16) as gpt-oss stores
+    scales = rng.integers(0, 255, (3, 4, 8), dtype=np.uint8)  # 255 is NaN in OCP MX
+    scales[0, 0, :3] = [0, 1, 254]
+    payload = mxfp4.from_packed(packed, scales)
+    assert payload.shape == (3, 4, 8 * 17)
+    assert np.array_equal(mxfp4.from_packed(packed.reshape(3, 4, -1), scales), payload)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(3, 4, 8, 32)
+    with np.errstate(over="ignore"):
+        want = _ocp_fp4(codes, scales[..., None]).astype(np.float32).reshape(3, 4, 256)
+    assert bits_equal(gg.decode(payload, "mxfp4"), np.where(want == 0, np.float32(0), want))  # -0 decodes to +0
+    with pytest.raises(ValueError, match="do not match"):
+        mxfp4.from_packed(packed, scales[..., :4])
+    with pytest.raises(ValueError, match="uint8"):
+        mxfp4.from_packed(packed.astype(np.int32), scales)
