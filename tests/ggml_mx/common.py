@@ -16,10 +16,6 @@ COLS = 512
 KVALUES = np.array(gguf.quants.MXFP4.kvalues, dtype=np.float64)
 
 
-def f32_bits(v) -> np.ndarray:
-    return np.asarray(v, np.float32).reshape(-1).view(np.uint32)
-
-
 def from_bits(b) -> np.ndarray:
     return np.asarray(b, np.uint32).view(np.float32)
 
@@ -83,8 +79,9 @@ def reference_encode(x: np.ndarray, log2f) -> np.ndarray:
     """llama.cpp's MXFP4 encoder written independently in float64 numpy: uint8 (rows, n // 32 * 17).
 
     The scale byte comes from ``log2f`` (the C library's, via ctypes), wrapped to 8 bits as x86-64 converts;
-    the levels are float32 products (so Inf where they overflow); codes are the nearest level in exact arithmetic (every |level - x| that decides a code is exact in float32 as
-    well: neighbouring levels are within a factor 2 of each other), ties to the smaller magnitude."""
+    the levels are float32 products (so Inf where they overflow); codes are the nearest level in exact arithmetic
+    (every |level - x| that decides a code is exact in float32 as well: neighbouring levels are within a factor 2
+    of each other), ties to the smaller magnitude."""
     xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, 32)
     out = np.zeros(xb.shape[:2] + (17,), np.uint8)
     for r in range(xb.shape[0]):

@@ -12,7 +12,7 @@ import pytest
 
 import jgptq.ggml as gg
 from jgptq.ggml import mxfp4
-from tests.ggml_mx.common import (TYPE_ID, block_equal, below_power_of_two, edge_rows, from_bits, libm_log2f,
+from tests.ggml_mx.common import (TYPE_ID, block_equal, below_power_of_two, edge_rows, libm_log2f,
                                   reference_encode)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "ggml_mx", "golden.npz")
