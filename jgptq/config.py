@@ -217,7 +217,7 @@ class PipelineConfig:
         name relative to its decoder layer (``self_attn.v_proj``, ``mlp.experts.down_proj``); the first match
         wins, else ``mix``, else ``quant.format`` (:mod:`jgptq.mixes`).
       mix: a llama.cpp mix preset (``"q4_k_m"``, ``"q5_k_m"``, ``"q4_k_s"``, ``"q5_k_s"``, ``"q3_k_m"``,
-        ``"q6_k"``; :mod:`jgptq.mixes` says what each raises). With ``quant.format="int"`` the preset's base
+        ``"q6_k"``, ``"q2_k_s"``, ``"iq2_m"``, ``"mxfp4_moe"``; :mod:`jgptq.mixes` says what each raises). With ``quant.format="int"`` the preset's base
         format becomes ``quant.format``.
       block_fallback: a weight whose rows are not a whole number of its format's blocks: ``"error"`` (refused
         before any work), ``"llama.cpp"`` (llama.cpp's fallback table, e.g. q4_k -> q5_0) or a format name; a

@@ -24,6 +24,7 @@ q6_k        q6_k    (none)
 q2_k_s      q2_k    attn_v: q4_k where n_gqa >= 4; ffn_down: q4_k where i < n/8
 iq2_m       iq2_s   attn_v: q4_k where n_gqa >= 4 or n_expert >= 4, else iq3_s; ffn_down: iq3_s where i < n/8;
                     attn_output: iq3_s (q5_k with 8 experts); attn_k: q4_k with 8 experts
+mxfp4_moe   mxfp4   routed experts (3-D tensors in GGUF) mxfp4, every other weight q8_0; no layer or 8-expert rule
 ==========  ======  ==========================================================================================
 
 and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and,
@@ -35,6 +36,12 @@ ffn_down = ``down_proj``/``w2`` (in any MLP or experts module). llama.cpp's coun
 layer index for models with one attn_v per layer, which is what is used here; likewise its ffn_down counter of the
 IQ2 mixes is the layer index when a layer has one ffn_down tensor (llama.cpp counts a layer's shared-expert
 ffn_down as one more).
+
+``mxfp4_moe`` is llama.cpp's MXFP4_MOE (gpt-oss's file type), which decides by tensor shape: a tensor with a third
+dimension (a stack of routed experts) gets MXFP4, any other quantized one Q8_0, the token embedding and output head
+included. Here an expert stack is a weight with an ``experts`` component in its name (``mlp.experts.down_proj``,
+``block_sparse_moe.experts.3.w2``; not ``shared_experts``). llama.cpp also gives MXFP4 to the 3-D MLA projections
+it splits ``kv_b_proj`` into (attn_k_b / attn_v_b); jgptq plans ``kv_b_proj`` as one matrix, so it gets q8_0.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from __future__ import annotations
 import re
 
 PRESETS = {"q4_k_m": "q4_k", "q5_k_m": "q5_k", "q4_k_s": "q4_k", "q5_k_s": "q5_k", "q3_k_m": "q3_k",
-           "q6_k": "q6_k", "q2_k_s": "q2_k", "iq2_m": "iq2_s"}
+           "q6_k": "q6_k", "q2_k_s": "q2_k", "iq2_m": "iq2_s", "mxfp4_moe": "mxfp4"}
 # llama.cpp refuses to quantize these types without an importance matrix (``tensor_requires_imatrix``).
 NEEDS_IMPORTANCE = ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_m", "iq1_s")
 # llama.cpp's ``tensor_type_fallback``: a format for rows that are not a whole number of the wanted block.
@@ -57,6 +64,14 @@ _CATEGORIES = (
     ("attn_output", re.compile(r"(^|\.)(o_proj|out_proj)$")),
     ("ffn_down", re.compile(r"(^|\.)(down_proj|w2)$")),
 )
+
+
+_EXPERT_STACK = re.compile(r"(^|\.)experts(\.|$)")
+
+
+def is_expert_stack(name: str) -> bool:
+    """True for a routed-experts weight (a 3-D tensor in GGUF), named relative to its layer."""
+    return bool(_EXPERT_STACK.search(name))
 
 
 def category(name: str) -> str:
@@ -91,6 +106,8 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
     if preset not in PRESETS:
         raise ValueError(f"unknown mix preset {preset!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[preset]
+    if preset == "mxfp4_moe":
+        return base if is_expert_stack(name) else "q8_0"
     cat = category(name)
     more = use_more_bits(layer, n_layers)
     if preset == "iq2_m":
@@ -130,7 +147,9 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
 def possible_formats(config) -> set:
     """Every format a run under ``config`` may use (for checks made before any work)."""
     out = {config.quant.format} | {f for _, f in config.formats}
-    if config.mix is not None:
+    if config.mix == "mxfp4_moe":
+        out |= {"mxfp4", "q8_0"}
+    elif config.mix is not None:
         out |= {PRESETS[config.mix], "q5_k", "q6_k", "q8_0", "q4_k"}
         if config.mix == "iq2_m":
             out |= {"iq3_s"}
@@ -145,13 +164,13 @@ def possible_formats(config) -> set:
 _HEAD_Q5_K = ("iq2_xxs", "iq2_xs", "iq3_xxs", "iq1_s", "iq2_s", "iq2_m", "iq1_m")
 _EMBD_Q2_K = ("iq2_xxs", "iq2_xs", "iq1_s", "iq1_m")
 _EMBD_IQ3_S = ("iq2_s", "iq2_m", "iq3_xxs")
-_PLAIN_FILE_TYPES = {"q3_k": "q3_k_s", "q4_k": "q4_k_s", "q5_k": "q5_k_s", "iq2_s": "iq2_m"}
+_PLAIN_FILE_TYPES = {"q3_k": "q3_k_s", "q4_k": "q4_k_s", "q5_k": "q5_k_s", "iq2_s": "iq2_m", "mxfp4": "mxfp4_moe"}
 
 
 def file_type(mix, fmt: str) -> str:
     """llama.cpp's file type (lower case, without ``MOSTLY_``) of a run: its mix, else the plain type of ``fmt``
     (``q4_k`` -> ``q4_k_s``: llama.cpp has no plain Q4_K type; ``iq2_s`` -> ``iq2_m``, whose default type is
-    IQ2_S)."""
+    IQ2_S; ``mxfp4`` -> ``mxfp4_moe``, the one file type whose default type is MXFP4)."""
     return mix if mix is not None else _PLAIN_FILE_TYPES.get(fmt, fmt)
 
 
@@ -182,7 +201,9 @@ def edge_format(ftype: str, base: str, role: str, cols: int, tied: bool = False)
 
     if role not in ("token_embd", "output"):
         raise ValueError(f"role {role!r} is not 'token_embd' or 'output'")
-    if role == "output" or tied:
+    if ftype == "mxfp4_moe":  # llama.cpp's MXFP4_MOE branch comes first: both edges (2-D tensors) are Q8_0
+        fmt = "q8_0"
+    elif role == "output" or tied:
         if cols % get_format(base).block_size:
             fmt = "q8_0"
         elif ftype in _HEAD_Q5_K:

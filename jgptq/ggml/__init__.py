@@ -11,7 +11,7 @@ import importlib
 
 from jgptq.ggml.registry import GGMLFormat, format_names, get_format, register
 
-_CODEC_MODULES = ("legacy", "k_quants", "iq4", "iq2", "iq3", "iq1")
+_CODEC_MODULES = ("legacy", "k_quants", "iq4", "iq2", "iq3", "iq1", "mxfp4")
 
 for _name in _CODEC_MODULES:
     try:

@@ -49,7 +49,8 @@ def encode(x, fmt: FormatLike, importance: Optional[object] = None) -> jax.Array
       fmt: format name (``"q4_k"``, case-insensitive) or a :class:`GGMLFormat`.
       importance: optional per-column importance, float (n,), finite and >= 0 (llama.cpp's imatrix values, i.e.
         the mean of squared activations of each input column). With it the encoder runs llama.cpp's weighted
-        search (a different algorithm, not merely a weighted one); without it the reference path.
+        search (a different algorithm, not merely a weighted one); without it the reference path. Where
+        llama.cpp's quantizer ignores the imatrix (Q8_0, MXFP4) the encoder ignores it too.
     Returns:
       uint8 jax array (..., n // block_size * type_size).
     Raises:
