@@ -69,7 +69,8 @@ SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
-                 checkpoint_dir=None, resume: bool = True, imatrix=None, sink=None, **kwargs) -> QuantizeResult:
+                 checkpoint_dir=None, resume: bool = True, imatrix=None, sink=None, source=None,
+                 **kwargs) -> QuantizeResult:
     """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
 
     Args:
@@ -91,6 +92,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         file layer by layer beside the work (``sink.start(model, result)`` before the first layer, ``add`` with
         each layer's records, ``finish(result)`` at the end, its time the report's ``export`` stage; ``abort``
         when the run fails).
+      source: a :class:`jgptq_torch.source.stream.StreamedLayers`: the model is its meta skeleton and each
+        decoder layer is read from the checkpoint folder when its turn comes (:func:`jgptq.quantize_folder`).
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
         ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
@@ -114,12 +117,14 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
 
         cfg, allocation = choose(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
                                  checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
-    run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix)
+    run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source)
     run.report.allocation = allocation or {}
     ckpt, start = None, 0
     if checkpoint_dir is not None:
+        digest = source.source.fingerprint() if source is not None else None
         ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, run.batch_list, cfg,
-                                                                            len(run.layers), imatrix=imatrix),
+                                                                            len(run.layers), imatrix=imatrix,
+                                                                            model_digest=digest),
                                      resume=resume)
         start = ckpt.open()
         for i in range(start):
@@ -170,7 +175,10 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
     if start < n:
         placement.prepare()
         t0 = time.perf_counter()
-        hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
+        source = placement.source   # a streamed model: its input embedding is read for the capture only
+        with source.embedding(run.device) if source is not None else contextlib.nullcontext():
+            placement.book()
+            hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
         if start:
             hidden = ckpt.load_hidden(start, run.device)
         if float_stream.enabled(run.cfg, run.given):

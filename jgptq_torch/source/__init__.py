@@ -1,0 +1,1 @@
+"""Where a model's weights come from: checkpoint folders read layer by layer."""

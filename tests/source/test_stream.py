@@ -1,0 +1,81 @@
+"""Streaming a model from its checkpoint folder: the skeleton on meta, each decoder layer read from the safetensors
+shards (transformers' own conversions) when its turn comes. The streamed run must give exactly the records of the
+run on the model loaded whole with ``from_pretrained``."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import jgptq
+from jgptq_torch.source.checkpoint import CheckpointSource, SourceError
+from jgptq_torch.source.stream import quantize_folder
+from tests.tiny_models import build, token_ids
+
+CALIB = token_ids(8, 32, seed=1)
+OPTS = dict(bits=3, group_size=16, batch_size=4, progress=False)
+
+
+def saved(tmp_path, family, layers=3, shard="100KB", **overrides):
+    """A tiny model of ``family`` saved as a sharded safetensors folder; returns the folder."""
+    folder = tmp_path / family
+    build(family, num_hidden_layers=layers, **overrides).save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+def assert_same_records(a, b):
+    assert list(a.weights) == list(b.weights)
+    for k, rec in a.weights.items():
+        other = b.weights[k]
+        for f in ("codes", "scales", "zeros", "g_idx"):
+            assert np.array_equal(getattr(rec, f), getattr(other, f)), (k, f)
+        assert (rec.method, rec.transposed, rec.act_order) == (other.method, other.transposed, other.act_order)
+    assert [r.loss for r in a.report.records] == [r.loss for r in b.report.records]
+    assert a.report.coverage == b.report.coverage
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_layers_read_from_the_folder_equal_from_pretrained(tmp_path, family):
+    folder = saved(tmp_path, family)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    source = CheckpointSource(folder, dtype=torch.float32)
+    skeleton = source.skeleton()
+    assert all(t.device.type == "meta" for t in skeleton.parameters())
+    for part in list(range(3)) + ["embedding", "outside"]:
+        source.load(f"part {part}", part, "cpu")
+    want = loaded.state_dict()
+    got = skeleton.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for k, buf in loaded.named_buffers():        # non-persistent buffers too (rotary frequencies)
+        assert torch.equal(dict(skeleton.named_buffers())[k], buf), k
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_streamed_run_gives_the_loaded_runs_records(tmp_path, family):
+    folder = saved(tmp_path, family)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = jgptq.quantize_moe(loaded, CALIB, device="cpu", **OPTS)
+    got = quantize_folder(folder, CALIB, device="cpu", **OPTS)
+    assert_same_records(want, got)
+    assert got.report.memory["offload"] == "stream"
+    assert all(t.device.type == "meta" for t in got.model.parameters())   # everything released
+
+
+def test_a_missing_layer_tensor_is_named(tmp_path):
+    folder = saved(tmp_path, "qwen3_moe", layers=2, shard="10MB")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    gone = "model.layers.1.self_attn.o_proj.weight"
+    del tensors[gone]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SourceError, match=r"decoder layer 1 .*missing from the checkpoint.*o_proj"):
+        quantize_folder(folder, CALIB, device="cpu", **OPTS)
+
+
+def test_a_folder_without_weights_is_refused(tmp_path):
+    build("qwen3_moe").config.save_pretrained(tmp_path)
+    with pytest.raises(SourceError, match="no model.safetensors.index.json and no model.safetensors"):
+        CheckpointSource(tmp_path)
