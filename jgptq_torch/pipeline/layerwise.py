@@ -198,6 +198,9 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
                             resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
                             importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]),
                             None if i == n - 1 else run.float_hidden)
+        if getattr(run.stores.sink, "releases_records", False):   # written by the sink: not kept in memory
+            run.stores.collect(run.result.weights, report)
+            run.result.weights.clear()
     run.stores.collect(run.result.weights, report)
 
 

@@ -43,6 +43,7 @@ class StreamedLayers:
         self.source = source
         self.model = source.model
         self.prefix, self.layers = models.find_decoder_layers(self.model)
+        self.on_leave = None      # called as on_leave(i, layer) before a layer is released (an export keeps parts)
 
     def arrive(self, i: int, device) -> None:
         """Reads decoder layer ``i``'s tensors from the checkpoint onto ``device`` (transformers' conversions
@@ -50,7 +51,9 @@ class StreamedLayers:
         self.source.load(f"decoder layer {i} ({self.prefix}.{i})", i, device)
 
     def leave(self, i: int) -> None:
-        """Releases decoder layer ``i`` to the meta device."""
+        """Releases decoder layer ``i`` to the meta device (after :attr:`on_leave`, when set)."""
+        if self.on_leave is not None:
+            self.on_leave(i, self.layers[i])
         release_layer(self.layers[i])
 
     @contextlib.contextmanager
@@ -69,6 +72,7 @@ class StreamedLayers:
         block runs (an export's unquantized tensors), released after it."""
         self.source.load("the input embedding", "embedding", device)
         self.source.load("the tensors outside the decoder layers", "outside", device)
+        self.model.tie_weights()      # a tied head shares the embedding just read, as from_pretrained ties it
         try:
             yield
         finally:
