@@ -9,6 +9,10 @@ files when it is needed (:meth:`CheckpointSource.load`): its checkpoint tensors 
 renamings and fusions, e.g. the per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the 3-D
 ``experts.gate_up_proj``, are exactly what ``from_pretrained`` does. :func:`release` puts a part back on meta.
 
+A quantized release (FP8 with block scales, MXFP4 experts, compressed-tensors ``pack-quantized``; recognised from
+``config.json`` by :func:`jgptq_torch.source.dequant.source_format`) is dequantized on read, one part at a time
+(:func:`jgptq_torch.source.dequant.dequantize_tensors`, to the run's dtype), before transformers' conversions.
+
 Which checkpoint tensors belong to which part is decided once, from each key's name after transformers'
 renaming: the keys under decoder layer ``i`` (``model.layers.i.``) and the rest (embeddings, final norm, head).
 Only safetensors files are read (never pickle); no remote code runs unless asked for.
@@ -99,8 +103,17 @@ class CheckpointSource:
             raise SourceError(f"{self.dir}: no config.json; a checkpoint folder needs one")
         self.files = weight_files(self.dir)
         self.trust_remote_code = trust_remote_code
+        from jgptq_torch.source.formats import source_format
+
+        try:
+            raw = json.loads((self.dir / "config.json").read_text())
+            self.format = source_format(raw)
+        except ValueError as exc:
+            raise SourceError(f"{self.dir / 'config.json'}: {exc}") from exc
         self.config = AutoConfig.from_pretrained(str(self.dir), trust_remote_code=trust_remote_code,
                                                  local_files_only=True)
+        if self.format is not None and hasattr(self.config, "quantization_config"):
+            del self.config.quantization_config   # weights are dequantized on read: the model is a float one
         if dtype is None:
             named = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
             dtype = getattr(torch, named) if isinstance(named, str) else (named or torch.float32)
@@ -153,8 +166,11 @@ class CheckpointSource:
             if target not in meta_state and key in meta_state:
                 target = key
             if target not in meta_state:
-                self.unplaced.append(key)   # transformers would ignore it too (e.g. multi-token prediction)
-                continue
+                m = under.match(key) if self.format is not None else None
+                if m is None or int(m.group(1)) >= self.layer_count:
+                    self.unplaced.append(key)   # transformers would ignore it too (e.g. multi-token prediction)
+                    continue
+                target = key   # a quantized weight's part (scales, packed codes), read with its weight
             m = under.match(target)
             part = int(m.group(1)) if m else "embedding" if target.startswith(self.embedding + ".") else "outside"
             self._parts.setdefault(part, []).append((key, target))
@@ -201,6 +217,13 @@ class CheckpointSource:
 
         keys = self.part_of(part)
         tensors = self.read(keys, "cpu" if torch.device(device).type == "meta" else device)
+        if self.format is not None:
+            from jgptq_torch.source.dequant import dequantize_tensors
+
+            try:
+                tensors = dequantize_tensors(tensors, self.format, self.dtype)
+            except ValueError as exc:
+                raise SourceError(f"{self.dir}: {module_names}: {exc}") from exc
         load_cfg = LoadStateDictConfig(device_map={"": torch.device(device)}, dtype=self.dtype,
                                        weight_mapping=self.mapping)
         with _quiet_loading():

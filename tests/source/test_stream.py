@@ -79,3 +79,27 @@ def test_a_folder_without_weights_is_refused(tmp_path):
     build("qwen3_moe").config.save_pretrained(tmp_path)
     with pytest.raises(SourceError, match="no model.safetensors.index.json and no model.safetensors"):
         CheckpointSource(tmp_path)
+
+
+def test_an_fp8_folder_streams_as_its_dequantized_weights(tmp_path):
+    """An FP8 block-scaled folder (2 shards: a weight and its scales may sit in different files) streams to the
+    records of the float model whose weights are the dequantized ones (dequantize_tensors on the whole
+    checkpoint, saved as a float folder and loaded with from_pretrained)."""
+    from jgptq_torch.source import dequantize_tensors, source_format
+    from tests.source.quantized_folders import read_checkpoint, write_fp8_folder
+
+    fp8 = tmp_path / "fp8"
+    model = build("qwen3_moe", num_hidden_layers=2)
+    write_fp8_folder(model, str(fp8), block=16, shards=2)
+    config, tensors = read_checkpoint(str(fp8))
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    plain = dequantize_tensors(tensors, source_format(config), torch.float32)
+    model.save_pretrained(tmp_path / "float")      # its config; the weights are replaced by the dequantized ones
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in plain.items()}, tmp_path / "float" / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32)
+    want = jgptq.quantize_moe(loaded, CALIB, device="cpu", **OPTS)
+    got = quantize_folder(fp8, CALIB, device="cpu", dtype=torch.float32, **OPTS)
+    assert_same_records(want, got)
