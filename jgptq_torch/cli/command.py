@@ -220,6 +220,7 @@ def run_quantize(args) -> int:
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
     max_shard = parse_size(args.max_shard_size)
+    mode = load_mode(args, cfg)
 
     from jgptq_torch.pipeline import calib as calib_mod
 
@@ -247,7 +248,7 @@ def run_quantize(args) -> int:
     ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
     log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
 
-    if load_mode(args, cfg) == "stream":
+    if mode == "stream":
         return _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_shard, t_start)
     log(f"loading {model_dir} ({dtype})", args.quiet)
     model = AutoModelForCausalLM.from_pretrained(
