@@ -371,6 +371,8 @@ class Placement:
         finally:
             self.memory.update(peak_parameters_on_device=self.peak, peak_host_parameters=self.peak_host,
                                finish_s=time.perf_counter() - t0)
+            if self.source is not None:
+                self.memory["streamed"] = self.source.memory()
             if self.device.type == "cuda":
                 self.memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(self.device))
 

@@ -121,6 +121,7 @@ class CheckpointSource:
         self.model = None
         self._parts: dict = {}
         self.bytes_read = 0
+        self.peak_parameters = 0   # most bytes of the model's tensors materialized at once (checked after reads)
 
     # -- the skeleton ------------------------------------------------------------------------------------------
     def skeleton(self) -> nn.Module:
@@ -229,6 +230,8 @@ class CheckpointSource:
         with _quiet_loading():
             info, _ = convert_and_load_state_dict_in_model(self.model, tensors, load_cfg)
         del tensors
+        live = {id(t): t for _, _, _, _, t in tensor_slots(self.model) if t.device.type != "meta"}
+        self.peak_parameters = max(self.peak_parameters, sum(t.numel() * t.element_size() for t in live.values()))
         problems = []
         if info.mismatched_keys:
             problems += [f"{k} is {tuple(a)} in the checkpoint but {tuple(b)} in the model"

@@ -16,8 +16,9 @@ the first layer's inputs and released after it; the final norm and the head are 
 needs them. The per-layer step is :func:`jgptq_torch.pipeline.layerwise.quantize_moe`'s, unchanged.
 
 With an output folder, the export is written as the layers finish (:class:`jgptq_torch.export.folder_sink.
-CheckpointSink` for ``compressed-tensors`` and ``gptq``, :class:`jgptq_torch.export.gguf.stream.GGUFSink` for
-``gguf``), and each layer's records leave host memory once written.
+CheckpointSink`, ``compressed-tensors`` or ``gptq``), and each layer's records leave host memory once written.
+A GGUF file is not written from a streamed run yet: its writer reads the whole model's tensors at the start
+(``jgptq quantize --export gguf`` loads the model whole, and says so).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class StreamedLayers:
         self.model = source.model
         self.prefix, self.layers = models.find_decoder_layers(self.model)
         self.on_leave = None      # called as on_leave(i, layer) before a layer is released (an export keeps parts)
+
+    def memory(self) -> dict:
+        """``bytes_read`` from the checkpoint and ``peak_parameters``: the most bytes of the model's tensors
+        (parameters and buffers, any device) materialized at once, counted after every read."""
+        return {"bytes_read": self.source.bytes_read, "peak_parameters": self.source.peak_parameters}
 
     def arrive(self, i: int, device) -> None:
         """Reads decoder layer ``i``'s tensors from the checkpoint onto ``device`` (transformers' conversions
@@ -104,7 +110,8 @@ def quantize_folder(model_dir, calib, out_dir=None, config=None, *, export: str 
       out_dir: the output folder (or GGUF file); None: nothing is written, the records stay in ``result.weights``.
       config: a :class:`jgptq.config.PipelineConfig` / :class:`jgptq.config.QuantConfig` or None; ``**kwargs``
         override its fields as for :func:`jgptq.quantize_moe`.
-      export: ``"compressed-tensors"``, ``"gptq"`` or ``"gguf"``.
+      export: ``"compressed-tensors"`` or ``"gptq"`` (a GGUF file needs the model loaded whole: quantize_moe
+        with :class:`jgptq.GGUFSink`).
       tokenizer: a transformers tokenizer (text calibration; its files go to the output).
       device: the torch device layers run on (default: ``"cuda"`` when there is one, else ``"cpu"``).
       dtype: the dtype floating weights load in (a torch dtype; default: the config's).

@@ -103,3 +103,24 @@ def test_an_fp8_folder_streams_as_its_dequantized_weights(tmp_path):
     want = jgptq.quantize_moe(loaded, CALIB, device="cpu", **OPTS)
     got = quantize_folder(fp8, CALIB, device="cpu", dtype=torch.float32, **OPTS)
     assert_same_records(want, got)
+
+
+def test_host_memory_holds_a_layer_not_the_model(tmp_path):
+    """A 12-layer folder and a 1-layer folder of the same width stream with the same most bytes of tensors
+    materialized at once (counted after every read from the checkpoint, the export's reads of the embedding and
+    head included): one decoder layer plus what lives outside the layers, far under the 12-layer model."""
+    peaks = {}
+    for layers in (1, 12):
+        folder = saved(tmp_path / str(layers), "qwen3_moe", layers=layers, shard="1MB")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+        result = quantize_folder(folder, CALIB, tmp_path / f"out{layers}", device="cpu",
+                                 **dict(OPTS, bits=4, scale_dtype="float32", method="rtn"))
+        streamed = result.report.memory["streamed"]
+        peaks[layers] = streamed["peak_parameters"]
+        assert streamed["bytes_read"] >= whole            # every layer read once, the embedding twice
+        assert result.report.memory["peak_host_parameters"] <= peaks[layers]
+    assert peaks[12] == peaks[1]
+    assert peaks[12] < layer + (whole - 12 * layer) + 4096     # one layer, embeddings/norm/head, rotary buffers
+    assert peaks[12] < whole / 6
