@@ -54,6 +54,7 @@ from jgptq_torch import models
 from jgptq_torch.pipeline import run_setup
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
+from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.report import ModuleRecord, QuantizeResult
@@ -189,6 +190,8 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
     progress = LayerProgress(start, n, enabled=run.cfg.progress)
     for i in progress:
         layer = _timed_move(run, i, placement.fetch)
+        if placement.source is not None:   # a streamed layer's weights exist only now: NaN/Inf named before work
+            weight_checks.check_finite_weights(run.targets[i:i + 1], run.prefix, first=i)
         marks, before = (len(report.records), len(report.warnings)), set(run.result.weights)
         hidden = _layer_step(run, i, layer, hidden, layer_inputs, stage=progress.stage)
         _timed_move(run, i, placement.put_back)

@@ -124,3 +124,17 @@ def test_host_memory_holds_a_layer_not_the_model(tmp_path):
     assert peaks[12] == peaks[1]
     assert peaks[12] < layer + (whole - 12 * layer) + 4096     # one layer, embeddings/norm/head, rotary buffers
     assert peaks[12] < whole / 6
+
+
+def test_nan_in_a_streamed_layer_is_named_when_the_layer_is_read(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from jgptq_torch.pipeline.weight_checks import CorruptWeightsError
+
+    folder = saved(tmp_path, "qwen3_moe", layers=2, shard="10MB")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.3.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CorruptWeightsError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: expert 3 "
+                                                  r"\(up rows\) holds 1 NaN value"):
+        quantize_folder(folder, CALIB, device="cpu", **OPTS)
