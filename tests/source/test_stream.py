@@ -2,6 +2,8 @@
 shards (transformers' own conversions) when its turn comes. The streamed run must give exactly the records of the
 run on the model loaded whole with ``from_pretrained``."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -82,26 +84,14 @@ def test_a_folder_without_weights_is_refused(tmp_path):
 
 
 def test_an_fp8_folder_streams_as_its_dequantized_weights(tmp_path):
-    """An FP8 block-scaled folder (2 shards: a weight and its scales may sit in different files) streams to the
-    records of the float model whose weights are the dequantized ones (dequantize_tensors on the whole
-    checkpoint, saved as a float folder and loaded with from_pretrained)."""
-    from jgptq_torch.source import dequantize_tensors, source_format
+    """FP8 block scales, 2 shards: a weight and its scales may sit in different files."""
     from tests.source.quantized_folders import read_checkpoint, write_fp8_folder
 
-    fp8 = tmp_path / "fp8"
-    model = build("qwen3_moe", num_hidden_layers=2)
-    write_fp8_folder(model, str(fp8), block=16, shards=2)
-    config, tensors = read_checkpoint(str(fp8))
-    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
-    plain = dequantize_tensors(tensors, source_format(config), torch.float32)
-    model.save_pretrained(tmp_path / "float")      # its config; the weights are replaced by the dequantized ones
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in plain.items()}, tmp_path / "float" / "model.safetensors",
-              metadata={"format": "pt"})
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32)
-    want = jgptq.quantize_moe(loaded, CALIB, device="cpu", **OPTS)
-    got = quantize_folder(fp8, CALIB, device="cpu", dtype=torch.float32, **OPTS)
+    folder = tmp_path / "fp8"
+    write_fp8_folder(build("qwen3_moe", num_hidden_layers=2), str(folder), block=16, shards=2)
+    assert any(t.dtype == torch.float8_e4m3fn for t in read_checkpoint(str(folder))[1].values())
+    want = dequantized_reference(tmp_path, folder)
+    got = quantize_folder(folder, CALIB, device="cpu", dtype=torch.float32, **OPTS)
     assert_same_records(want, got)
 
 
@@ -138,3 +128,34 @@ def test_nan_in_a_streamed_layer_is_named_when_the_layer_is_read(tmp_path):
     with pytest.raises(CorruptWeightsError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: expert 3 "
                                                   r"\(up rows\) holds 1 NaN value"):
         quantize_folder(folder, CALIB, device="cpu", **OPTS)
+
+
+def dequantized_reference(tmp_path, quantized):
+    """The run on the float model whose weights are the dequantized ones of the folder ``quantized``
+    (dequantize_tensors on the whole checkpoint, saved as a float folder with the same config less its
+    quantization_config, loaded with from_pretrained)."""
+    from safetensors.torch import save_file
+
+    from jgptq_torch.source import dequantize_tensors, source_format
+    from tests.source.quantized_folders import read_checkpoint
+
+    config, tensors = read_checkpoint(str(quantized))
+    plain = dequantize_tensors(tensors, source_format(config), torch.float32)
+    float_dir = tmp_path / "dequantized"
+    float_dir.mkdir()
+    config.pop("quantization_config")
+    (float_dir / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in plain.items()}, float_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    return jgptq.quantize_moe(loaded, CALIB, device="cpu", **OPTS)
+
+
+def test_an_mxfp4_folder_streams_as_its_dequantized_weights(tmp_path):
+    from tests.source.quantized_folders import write_mxfp4_folder
+
+    folder = tmp_path / "mxfp4"
+    write_mxfp4_folder(build("gpt_oss", num_hidden_layers=2), str(folder), shards=2)
+    want = dequantized_reference(tmp_path, folder)
+    got = quantize_folder(folder, CALIB, device="cpu", dtype=torch.float32, **OPTS)
+    assert_same_records(want, got)
