@@ -7,7 +7,8 @@ files when it is needed (:meth:`CheckpointSource.load`): its checkpoint tensors 
 ``model.safetensors.index.json`` (or the single ``model.safetensors``) and handed to transformers' own loading
 (``core_model_loading.convert_and_load_state_dict_in_model`` with the model's conversion mapping), so that
 renamings and fusions, e.g. the per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the 3-D
-``experts.gate_up_proj``, are exactly what ``from_pretrained`` does. :func:`release` puts a part back on meta.
+``experts.gate_up_proj``, are exactly what ``from_pretrained`` does. :func:`release_outside` puts the tensors
+outside the decoder layers back on meta (a layer goes back with ``layer_files.release_layer``).
 
 A quantized release (FP8 with block scales, MXFP4 experts, compressed-tensors ``pack-quantized``; recognised from
 ``config.json`` by :func:`jgptq_torch.source.dequant.source_format`) is dequantized on read, one part at a time
@@ -25,12 +26,13 @@ import hashlib
 import json
 import re
 import struct
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from jgptq_torch.pipeline.layer_files import release_layer, tensor_slots
+from jgptq_torch.pipeline.layer_files import tensor_slots
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -144,6 +146,10 @@ class CheckpointSource:
         model.eval()
         self.model = model
         self._sort_keys()
+        if self.unplaced:   # said, as from_pretrained says its unexpected keys
+            warnings.warn(f"{self.dir}: {len(self.unplaced)} checkpoint tensors belong to no part of "
+                          f"{type(model).__name__} and are not read (e.g. {self.unplaced[:3]}); from_pretrained "
+                          f"leaves them out too", stacklevel=2)
         return model
 
     def _sort_keys(self) -> None:
@@ -272,11 +278,6 @@ class CheckpointSource:
             h.update(f"{path.name}|{path.stat().st_size}|".encode())
             h.update(json.dumps(_header(path), sort_keys=True).encode())
         return h.hexdigest()
-
-
-def release(module: nn.Module) -> None:
-    """Puts every tensor of ``module`` back on the meta device (its storage is freed once nothing else holds it)."""
-    release_layer(module)
 
 
 def release_outside(model: nn.Module, layers: nn.Module) -> None:

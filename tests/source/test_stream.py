@@ -159,3 +159,18 @@ def test_an_mxfp4_folder_streams_as_its_dequantized_weights(tmp_path):
     want = dequantized_reference(tmp_path, folder)
     got = quantize_folder(folder, CALIB, device="cpu", dtype=torch.float32, **OPTS)
     assert_same_records(want, got)
+
+
+def test_tensors_of_no_layer_are_said_and_left_out(tmp_path):
+    """A release's extra layer (DeepSeek-V3's multi-token prediction layer is ``model.layers.61`` of a 61-layer
+    model) belongs to no part: named in a warning, never read."""
+    from safetensors.torch import load_file, save_file
+
+    folder = saved(tmp_path, "qwen3_moe", layers=2, shard="10MB")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    source = CheckpointSource(folder, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"1 checkpoint tensors belong to no part .*model\.layers\.2\.eh_proj"):
+        source.skeleton()
+    assert all("layers.2." not in k for part in (0, 1, "embedding", "outside") for k in source.part_of(part))
