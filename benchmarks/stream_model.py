@@ -14,6 +14,8 @@ Shapes (``--shape``):
 - ``qwen3_235b``: Qwen3-235B-A22B: hidden 4096, 94 layers, 128 experts of width 1536, top-8, 64 query / 4
   key-value heads of 128, bf16.
 
+``--experts N`` keeps N routed experts a layer (the device budget's estimate of a whole DeepSeek-V3 MoE layer,
+218 GB, is over one H200; the per-layer figures then scale with the experts for the solve and the Hessians).
 ``--tiny`` shrinks either shape to a few kilobytes a layer (a smoke run on a CPU). Weights are drawn on the
 GPU when there is one (FP8 codes drawn directly, with block scales near 0.02 / their spread), so writing is
 bound by the disk.
@@ -178,6 +180,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a few kilobytes a layer: a smoke run on a CPU")
     p.add_argument("--layers", type=int, default=None, help="decoder layers written and streamed (default: "
                                                             "the dense ones + 2; --tiny: the tiny shape's)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per MoE layer instead of the shape's (a DeepSeek-V3 layer with all 256 is "
+                        "estimated at 218 GB on the device, over one H200: --experts 64 fits; the JSON says so)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="GB per checkpoint shard (default: 4)")
     p.add_argument("--sequences", type=int, default=None, help="calibration sequences (default: 64; tiny: 8)")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: 2048; tiny: 32)")
@@ -192,7 +197,9 @@ def main(argv=None):
     import jgptq
     import torch
 
-    s = (TINY if args.tiny else SHAPES)[args.shape]
+    s = dict((TINY if args.tiny else SHAPES)[args.shape])
+    if args.experts:
+        s.update(experts=args.experts, top_k=min(s["top_k"], args.experts))
     layers = args.layers or (s["layers"] if args.tiny else s["dense"] + 2)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -17,8 +17,6 @@ import queue
 import threading
 from pathlib import Path
 
-import torch
-
 from jgptq_torch.export import checkpoint as ckpt_mod
 from jgptq.export import export_compressed_tensors, export_gptq_v1
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
