@@ -139,6 +139,9 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         if sink is not None:
             sink.start(model, run.result)
             run.stores.sink = sink
+            # a sink that writes the records as they come (a checkpoint folder): the run does not keep them (with
+            # a resume state, each layer's are saved first, then dropped)
+            run.stores.keep_records = ckpt is not None or not getattr(sink, "releases_records", False)
             # The writer thread holds Python's lock between its file writes; at the default 5 ms switch interval
             # each of the many short waits of the thread that drives the GPU could cost up to 5 ms (on the H200,
             # 0.06 s a layer of a 30B MoE model's solve).
@@ -201,9 +204,8 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
                             resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
                             importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]),
                             None if i == n - 1 else run.float_hidden)
-        if getattr(run.stores.sink, "releases_records", False):   # written by the sink: not kept in memory
-            run.stores.collect(run.result.weights, report)
-            run.result.weights.clear()
+        if ckpt is not None and getattr(run.stores.sink, "releases_records", False):
+            run.result.weights.clear()      # in the resume state and handed to the sink: not kept in memory
     run.stores.collect(run.result.weights, report)
 
 
