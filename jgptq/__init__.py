@@ -4,6 +4,9 @@
 
 - :func:`quantize_moe` quantizes a Hugging Face transformers model layer by layer (torch side); it returns a
   :class:`QuantizeResult` (its :class:`Report` says what happened to every matrix);
+- :func:`quantize_folder` does the same for a model folder that is never loaded whole: each decoder layer is read
+  from the checkpoint when its turn comes and the output (:class:`CheckpointSink`, or a GGUF file) is written as
+  the layers finish;
 - :func:`export_model` writes that result as a checkpoint (compressed-tensors, GPTQ v1 or GGUF);
   :func:`export_gguf` also writes a float model, :func:`check_exportable` refuses up front what the GGUF writer
   would refuse, :func:`export_imatrix` writes a run's importance statistic for ``llama-quantize --imatrix``;
@@ -60,6 +63,8 @@ _disable_preallocation()
 # public name -> the module that defines it (imported on first access)
 _PUBLIC = {
     "quantize_moe": "jgptq_torch.pipeline.layerwise",
+    "quantize_folder": "jgptq_torch.source.stream",
+    "CheckpointSink": "jgptq_torch.export.folder_sink",
     "export_model": "jgptq_torch.export.checkpoint",
     "export_gguf": "jgptq_torch.export.gguf.export",
     "export_imatrix": "jgptq_torch.export.gguf.export",

@@ -35,6 +35,8 @@ sys.exit(1 if culprits else 0)
 # What the face promises: public name -> (module, attribute) it stands for.
 FACE = {
     "quantize_moe": ("jgptq_torch.pipeline.layerwise", "quantize_moe"),
+    "quantize_folder": ("jgptq_torch.source.stream", "quantize_folder"),
+    "CheckpointSink": ("jgptq_torch.export.folder_sink", "CheckpointSink"),
     "export_model": ("jgptq_torch.export.checkpoint", "export_model"),
     "export_gguf": ("jgptq_torch.export.gguf.export", "export_gguf"),
     "export_imatrix": ("jgptq_torch.export.gguf.export", "export_imatrix"),

@@ -220,6 +220,7 @@ def run_quantize(args) -> int:
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
     max_shard = parse_size(args.max_shard_size)
+    mode = load_mode(args, cfg)
 
     from jgptq_torch.pipeline import calib as calib_mod
 
@@ -247,6 +248,8 @@ def run_quantize(args) -> int:
     ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
     log(f"calibration: {ids.shape[0]} sequences, {ids.numel()} tokens from {args.calib}", args.quiet)
 
+    if mode == "stream":
+        return _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_shard, t_start)
     log(f"loading {model_dir} ({dtype})", args.quiet)
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype) if args.dtype != "auto" else "auto", use_safetensors=True,
@@ -267,13 +270,7 @@ def run_quantize(args) -> int:
     from jgptq_torch.pipeline.layerwise import quantize_moe
     from jgptq_torch.write_errors import WriteError, failure_message, writing
 
-    state = files["work"] / "state.json"
-    if state.exists() and args.resume:
-        import json
-
-        done = json.loads(state.read_text()).get("layers_done")
-        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
-            args.quiet)
+    say_resumed(args, files)
     try:
         with warnings_once() as shown:
             if shortfall:
@@ -296,6 +293,59 @@ def run_quantize(args) -> int:
                                                                else {}))
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on
         raise CommandError(failure_message(exc, files["work"])) from exc
+    return _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start)
+
+
+def say_resumed(args, files) -> None:
+    """Says that a run continues from the state in its work folder, when it does."""
+    state = files["work"] / "state.json"
+    if state.exists() and args.resume:
+        import json
+
+        done = json.loads(state.read_text()).get("layers_done")
+        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
+            args.quiet)
+
+
+def load_mode(args, cfg) -> str:
+    """``--load``: ``stream`` unless the run needs the whole model (a GGUF export, a bits budget, GPTQ module
+    names), which is said;
+    an explicit ``--load stream`` for such a run is refused."""
+    needs = ("--export gguf" if args.export == "gguf" else
+             "--target-bpw/--target-size" if cfg.target_bpw is not None or getattr(args, "target_size", None)
+             else "--gptq-names modules" if args.export == "gptq" and args.gptq_names == "modules" else None)
+    if args.load == "stream" and needs:
+        raise CommandError(f"--load stream cannot serve {needs}, which needs the whole model; use --load all")
+    if args.load is None and needs:
+        log(f"{needs} needs the whole model: loading it (--load all)", args.quiet)
+        return "all"
+    return args.load or "stream"
+
+
+def _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_shard, t_start) -> int:
+    """``jgptq quantize`` with ``--load stream``: :func:`jgptq_torch.source.stream.quantize_folder`."""
+    import torch
+
+    from jgptq_torch.source.stream import quantize_folder
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    log(f"streaming {model_dir} ({dtype}) layer by layer; writing {args.export} to {files['out']} as the layers "
+        f"finish", args.quiet)
+    say_resumed(args, files)
+    with warnings_once() as shown:
+        if shortfall:
+            warnings.warn(shortfall, stacklevel=1)
+        result = quantize_folder(model_dir, ids, files["out"], cfg, export=args.export, tokenizer=tokenizer,
+                                 device=device, dtype=getattr(torch, dtype), checkpoint_dir=files["work"],
+                                 resume=args.resume, overwrite=args.overwrite,
+                                 trust_remote_code=args.trust_remote_code, max_shard_bytes=max_shard)
+    return _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start)
+
+
+def _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start) -> int:
+    """The report, its charts and the closing lines of a finished run."""
+    from jgptq_torch.write_errors import WriteError, failure_message, writing
+
     if shortfall:
         result.report.warnings.insert(0, shortfall)
     try:

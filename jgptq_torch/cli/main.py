@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="torch device each layer runs on (default: cuda if available, else cpu)")
     r.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="dtype the model is loaded in (default: auto, the checkpoint's)")
+    r.add_argument("--load", choices=("stream", "all"), default=None,
+                   help="stream: read each decoder layer from MODEL_DIR when its turn comes and write the output "
+                        "as layers finish (host memory holds about two layers); all: load the whole model first "
+                        "(from_pretrained; --offload applies). Default: stream, or all where the run needs the "
+                        "whole model (--export gguf, --target-bpw/--target-size), which is said")
     hessian_dtype = default(PipelineConfig, "hessian_dtype")
     r.add_argument("--hessian-dtype", choices=HESSIAN_DTYPES, default=hessian_dtype,
                    help=f"operands of the Hessian sums, accumulated in float32 (default: {hessian_dtype})")

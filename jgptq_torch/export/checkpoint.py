@@ -96,17 +96,19 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def checkpoint_state(model, result=None, *, revert: bool = True) -> dict:
+def checkpoint_state(model, result=None, *, revert: bool = True, state=None) -> dict:
     """The tensors ``save_pretrained`` writes for ``model``, under checkpoint names, without the quantized ones.
 
     Args:
       model: a transformers model.
       result: an :class:`jgptq_torch.report.QuantizeResult`; its quantized parameters are left out.
       revert: False keeps the model's own parameter names (``names="modules"``) instead of the checkpoint names.
+      state: the model's ``state_dict`` to use instead of ``model.state_dict()`` (a streamed model's tensors,
+        gathered from where they are).
     Returns:
       checkpoint key -> torch tensor (on the model's devices; tied weights once; fused experts per expert).
     """
-    state = model.state_dict()
+    state = model.state_dict() if state is None else dict(state)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     quantized = set(result.weights) if result is not None else set()

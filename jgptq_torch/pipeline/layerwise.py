@@ -54,6 +54,7 @@ from jgptq_torch import models
 from jgptq_torch.pipeline import run_setup
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
+from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.report import ModuleRecord, QuantizeResult
@@ -68,7 +69,8 @@ SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
-                 checkpoint_dir=None, resume: bool = True, imatrix=None, sink=None, **kwargs) -> QuantizeResult:
+                 checkpoint_dir=None, resume: bool = True, imatrix=None, sink=None, source=None,
+                 **kwargs) -> QuantizeResult:
     """Quantizes every linear and expert weight of a transformers decoder model with GPTQ, in place.
 
     Args:
@@ -90,6 +92,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         file layer by layer beside the work (``sink.start(model, result)`` before the first layer, ``add`` with
         each layer's records, ``finish(result)`` at the end, its time the report's ``export`` stage; ``abort``
         when the run fails).
+      source: a :class:`jgptq_torch.source.stream.StreamedLayers`: the model is its meta skeleton and each
+        decoder layer is read from the checkpoint folder when its turn comes (:func:`jgptq.quantize_folder`).
       **kwargs: overrides of config fields (``bits=3``, ``calibration="all_experts"``, ``batch_size=4``,
         ``offload="disk"``, ``offload_dir="layers"``, ``device_budget="40GB"``, ``reload=False``...).
     Returns:
@@ -113,12 +117,14 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
 
         cfg, allocation = choose(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
                                  checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
-    run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix)
+    run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source)
     run.report.allocation = allocation or {}
     ckpt, start = None, 0
     if checkpoint_dir is not None:
+        digest = source.source.fingerprint() if source is not None else None
         ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, run.batch_list, cfg,
-                                                                            len(run.layers), imatrix=imatrix),
+                                                                            len(run.layers), imatrix=imatrix,
+                                                                            model_digest=digest),
                                      resume=resume)
         start = ckpt.open()
         for i in range(start):
@@ -132,6 +138,9 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         if sink is not None:
             sink.start(model, run.result)
             run.stores.sink = sink
+            # a sink that writes the records as they come (a checkpoint folder): the run does not keep them (with
+            # a resume state, each layer's are saved first, then dropped)
+            run.stores.keep_records = ckpt is not None or not getattr(sink, "releases_records", False)
             # The writer thread holds Python's lock between its file writes; at the default 5 ms switch interval
             # each of the many short waits of the thread that drives the GPU could cost up to 5 ms (on the H200,
             # 0.06 s a layer of a 30B MoE model's solve).
@@ -169,7 +178,10 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
     if start < n:
         placement.prepare()
         t0 = time.perf_counter()
-        hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
+        source = placement.source   # a streamed model: its input embedding is read for the capture only
+        with source.embedding(run.device) if source is not None else contextlib.nullcontext():
+            placement.book()
+            hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
         if start:
             hidden = ckpt.load_hidden(start, run.device)
         if float_stream.enabled(run.cfg, run.given):
@@ -180,6 +192,8 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
     progress = LayerProgress(start, n, enabled=run.cfg.progress)
     for i in progress:
         layer = _timed_move(run, i, placement.fetch)
+        if placement.source is not None:   # a streamed layer's weights exist only now: NaN/Inf named before work
+            weight_checks.check_finite_weights(run.targets[i:i + 1], run.prefix, first=i)
         marks, before = (len(report.records), len(report.warnings)), set(run.result.weights)
         hidden = _layer_step(run, i, layer, hidden, layer_inputs, stage=progress.stage)
         _timed_move(run, i, placement.put_back)
@@ -189,6 +203,8 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
                             resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
                             importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]),
                             None if i == n - 1 else run.float_hidden)
+        if ckpt is not None and getattr(run.stores.sink, "releases_records", False):
+            run.result.weights.clear()      # in the resume state and handed to the sink: not kept in memory
     run.stores.collect(run.result.weights, report)
 
 

@@ -136,22 +136,25 @@ class Placement:
         layer and the rest of the model.
     """
 
-    def __init__(self, model, layers, cfg, device: torch.device, ahead=None):
+    def __init__(self, model, layers, cfg, device: torch.device, ahead=None, source=None):
         self.model, self.layers, self.device, self.mode, self.reload = model, layers, device, cfg.offload, cfg.reload
         self.folder = LayerFolder(cfg.offload_dir, cfg.keep_offload_files)
+        self.source = source     # layers read from a checkpoint folder (jgptq_torch.source.stream.StreamedLayers)
+        if source is not None:
+            self.mode = "stream"
         for i, layer in enumerate(layers):
-            if is_released(layer):
+            if is_released(layer) and source is None:
                 raise ValueError(f"decoder layer {i} is released (its tensors are on the meta device); load it "
                                  f"first with jgptq_torch.pipeline.offload.load_layer(model, {i}, offload_dir) or reload_all")
         in_layers: dict = {}
         for layer in layers:
             in_layers.update(unique_tensors(layer))
-        if self.mode == "disk":
+        if self.mode in ("disk", "stream"):
             check_not_shared(model, layers)
         self.homes = [run_device(None, layer) for layer in layers]
         other = [t for k, t in unique_tensors(model).items() if k not in in_layers]
         resident = {i for i, h in enumerate(self.homes) if _same_device(h, device)} if self.mode == "none" else set()
-        self.budget = Budget(self.mode, cfg.device_budget, tuple(nbytes(unique_tensors(la).values()) for la in layers),
+        self.budget = Budget("disk" if source is not None else self.mode, cfg.device_budget, tuple(nbytes(unique_tensors(la).values()) for la in layers),
                              nbytes(t for t in other if _same_device(t.device, device)), frozenset(resident),
                              str(device))
         self.on_device = set(resident)               # layers booked on the device
@@ -205,6 +208,10 @@ class Placement:
         size = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(list(states.values())))
         self.memory["hessians_measured"] = max(self.memory.get("hessians_measured", 0), int(size))
 
+    def book(self):
+        """Books the bytes on the device and the parameter bytes in host memory now (their peaks)."""
+        self._book()
+
     def _book(self):
         self.peak = max(self.peak, self.budget.booked(self.on_device))
         self.peak_host = max(self.peak_host, host_bytes(self.model))
@@ -220,7 +227,7 @@ class Placement:
         if self.mode == "disk":
             self.folder.open()
             self.memory["offload_dir"] = str(self.folder.dir)
-        eager = list(range(len(self.layers)))
+        eager = list(range(len(self.layers))) if self.mode != "stream" else []   # streamed layers start on meta
         if self.budget.evacuates_beside(self.ahead, self.device.type == "cpu"):
             # layers already on the device leave it from the last one back, beside the work
             resident = [i for i, layer in enumerate(self.layers)
@@ -264,6 +271,8 @@ class Placement:
         layer = self.layers[i]
         if self.mode == "disk":
             read_layer(layer, self.folder.file(i), self.device)
+        elif self.mode == "stream":
+            self.source.arrive(i, self.device)
         else:
             self._move(layer, self.device)
 
@@ -273,6 +282,8 @@ class Placement:
         if self.mode == "disk":
             write_layer(layer, self.folder.file(i))
             release_layer(layer)
+        elif self.mode == "stream":
+            self.source.leave(i)
         elif self.mode == "none":
             layer.to(self.homes[i])
         else:
@@ -360,6 +371,8 @@ class Placement:
         finally:
             self.memory.update(peak_parameters_on_device=self.peak, peak_host_parameters=self.peak_host,
                                finish_s=time.perf_counter() - t0)
+            if self.source is not None:
+                self.memory["streamed"] = self.source.memory()
             if self.device.type == "cuda":
                 self.memory["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(self.device))
 

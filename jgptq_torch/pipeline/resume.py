@@ -56,15 +56,19 @@ def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
         h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
-def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None) -> dict:
-    """What a run depends on, as hex digests: ``model`` (class, config, every state_dict tensor), ``calibration``
-    (the batches' ids and masks), ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``, and
-    a given ``imatrix``'s sums and counts)."""
+def fingerprint(model, batch_list, cfg, layer_count: int, imatrix=None, model_digest=None) -> dict:
+    """What a run depends on, as hex digests: ``model`` (class, config, every state_dict tensor, or instead
+    ``model_digest``: a streamed model's checkpoint digest), ``calibration`` (the batches' ids and masks),
+    ``config`` (the :class:`~jgptq.config.PipelineConfig` without ``progress``, and a given ``imatrix``'s sums and
+    counts)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(type(model).__name__.encode())
     h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
-    for name, t in model.state_dict().items():
-        _hash_tensor(h, name, t)
+    if model_digest is not None:
+        h.update(f"checkpoint|{model_digest}".encode())
+    else:
+        for name, t in model.state_dict().items():
+            _hash_tensor(h, name, t)
     c = hashlib.blake2b(digest_size=16)
     for b, batch in enumerate(batch_list):
         _hash_tensor(c, f"ids{b}", batch.input_ids)

@@ -50,8 +50,9 @@ class Run:
         return self.result.report
 
 
-def prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> Run:
-    """Every check and decision that comes before any work: targets, the plan, names, calibration, budget."""
+def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None) -> Run:
+    """Every check and decision that comes before any work: targets, the plan, names, calibration, budget
+    (``source``: the :class:`jgptq_torch.source.stream.StreamedLayers` of a streamed model, or None)."""
     prefix, layers = models.find_decoder_layers(model)
     targets, plan = plan_layers(prefix, layers, cfg)
     if not plan.matrices:
@@ -64,7 +65,7 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> Run:
     names = models.checkpoint_names(model, specs)
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     run_device = offload_mod.run_device(device, layers[0])
-    placement = offload_mod.Placement(model, layers, cfg, run_device)
+    placement = offload_mod.Placement(model, layers, cfg, run_device, source=source)
     # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set
     activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix) else 2)
     placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")

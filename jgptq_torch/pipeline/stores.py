@@ -76,6 +76,7 @@ class Stores:
         self._copies = _HostCopies()     # used by the one worker thread only
         self._pending: list = []
         self.sink = None                 # an object whose add(records) takes each layer's records (a GGUF file)
+        self.keep_records = True         # False: records handed to the sink are not kept for the run's weights
 
     def submit(self, layer: int, names: dict, solved: list) -> None:
         self._pending.append((layer, self._pool.submit(self._records, names, solved)))
@@ -84,7 +85,7 @@ class Stores:
         records = layer_records(names, solved, self._copies)
         if self.sink is not None:
             self.sink.add(records)
-        return records
+        return records if self.keep_records else {}
 
     def collect(self, weights: dict, report) -> None:
         for layer, job in self._pending:

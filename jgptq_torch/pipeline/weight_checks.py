@@ -103,18 +103,19 @@ def _counted(x: torch.Tensor) -> str:
     return f"{' and '.join(parts)} value{'s' if nan + inf > 1 else ''}" if parts else ""
 
 
-def nonfinite_weights(targets, prefix: str) -> list:
+def nonfinite_weights(targets, prefix: str, first: int = 0) -> list:
     """Every NaN/Inf finding in the target matrices: a list of sentences such as
     ``"model.layers.5.mlp.experts.gate_up_proj: expert 3 (gate rows) holds 2 NaN values"``.
 
     Args:
       targets: the :class:`jgptq_torch.models.LayerTargets` of each decoder layer (what the plan will quantize).
       prefix: the decoder layers' qualified name (``model.layers``).
+      first: the index of the decoder layer of ``targets[0]`` (a streamed run checks each layer as it is read).
     Each matrix is reduced once per expert (a float32 sum, read in place, no copy of the tensor); only a matrix
     whose sum is not finite is searched element by element. Weights on the meta device (released) are skipped.
     """
     found = []
-    for i, target in enumerate(targets):
+    for i, target in enumerate(targets, first):
         for m in target.matrices():
             w = m.weight()   # (count, rows, cols) view
             if w.device.type == "meta" or not w.dtype.is_floating_point:
@@ -142,13 +143,13 @@ def _describe(m, x: torch.Tensor, e: int, param: str) -> list:
     return out
 
 
-def check_finite_weights(targets, prefix: str) -> None:
+def check_finite_weights(targets, prefix: str, first: int = 0) -> None:
     """Refuses NaN or Inf in any weight the run will quantize (:func:`nonfinite_weights`), before any work.
 
     Raises:
       CorruptWeightsError: naming the first findings (parameter, expert, projection rows, counts).
     """
-    found = nonfinite_weights(targets, prefix)
+    found = nonfinite_weights(targets, prefix, first)
     if not found:
         return
     more = f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""

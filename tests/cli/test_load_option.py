@@ -1,0 +1,29 @@
+"""``jgptq quantize --load``: the default streams the model folder and writes the same folder, byte for byte, as
+loading the whole model first (``--load all``); runs that need the whole model say so or are refused."""
+
+from jgptq_torch.cli.main import main
+from jgptq_torch.pipeline import layerwise
+from tests.cli.test_cli import model_dir, quantize_args, tree  # noqa: F401 - model_dir is a fixture
+
+
+def test_streamed_and_loaded_runs_write_the_same_folder(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    sources = []
+    original = layerwise.quantize_moe
+
+    def recording(*args, source=None, **kwargs):
+        sources.append(source is not None)
+        return original(*args, source=source, **kwargs)
+
+    monkeypatch.setattr(layerwise, "quantize_moe", recording)
+    extra = ("--method", "rtn", "--export", "gptq")
+    assert main([str(a) for a in quantize_args(model_dir, tmp_path / "s", *extra)]) == 0
+    assert main([str(a) for a in quantize_args(model_dir, tmp_path / "a", *extra, "--load", "all")]) == 0
+    assert sources == [True, False]
+    assert tree(tmp_path / "s") == tree(tmp_path / "a")
+
+
+def test_a_run_that_needs_the_whole_model_refuses_load_stream(model_dir, tmp_path, capsys):  # noqa: F811
+    args = quantize_args(model_dir, tmp_path / "g", "--export", "gguf", "--format", "q4_k", "--load", "stream")
+    assert main([str(a) for a in args]) == 1
+    assert "--load stream cannot serve --export gguf, which needs the whole model" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
