@@ -1,0 +1,10 @@
+"""One entry per transformers family the GGUF exporter writes: :data:`ARCHITECTURES` (``model_type`` ->
+:class:`Arch`). Each module declares its families' llama.cpp architecture, refusals, metadata and any tensors the
+``gguf`` package's name map does not give by itself."""
+
+from jgptq_torch.export.gguf.families import llama, olmoe, qwen
+from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
+
+ARCHITECTURES = {spec.model_type: spec for module in (llama, qwen, olmoe) for spec in module.FAMILIES}
+
+__all__ = ["ARCHITECTURES", "Arch", "UnsupportedGGUFModel"]
