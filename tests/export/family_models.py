@@ -1,0 +1,39 @@
+"""Tiny models of every GGUF family, small enough for llama.cpp's converter and C library in a second or two."""
+
+import torch
+
+from tests.export.converter import VOCAB
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+# family -> (config class, model class, settings over COMMON)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=32, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny float32 model of ``family`` (eval mode, weights drawn with ``seed``; biases, where the family has
+    them, drawn too so that they are not all zero)."""
+    import transformers
+
+    cfg_name, model_name, extra = MODELS[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model
