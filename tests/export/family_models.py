@@ -20,6 +20,11 @@ MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                        num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16, scoring_func="sigmoid")),
 }
 
 
@@ -33,7 +38,7 @@ def build(family: str, seed: int = 0, **overrides):
     cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
     return model

@@ -47,6 +47,7 @@ EXCEPTIONS = {
     "qwen3_moe": {},
     "olmoe": {},
     "qwen2_moe": {},
+    "deepseek_v3": {},
 }
 # family -> {tensor name without "blk.N.": (the difference, why llama.cpp loads both alike)}
 TENSOR_EXCEPTIONS = {

@@ -147,6 +147,10 @@ class Target:
       heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
       role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
       flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
+      split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
+        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where ``keeps_blocks``,
+        ``blocks(payload)`` of a record (else the tensor is written in the float type from the record's
+        dequantized values).
     """
 
     name: str
@@ -154,6 +158,7 @@ class Target:
     heads: int | None = None
     role: str = "weight"
     flat: bool = False
+    split: object = None
 
 
 def _short(tensor: gguf.MODEL_TENSOR) -> str:
