@@ -33,8 +33,9 @@ def source() -> Path | None:
 
 
 def tokenizer():
-    """A transformers fast tokenizer: the 256 byte symbols of byte-level BPE, four merges, GPT-2's split pattern
-    and ``<|endoftext|>`` (id 260) as its end-of-sequence token."""
+    """A transformers fast tokenizer: the 256 byte symbols of byte-level BPE, four merges, GPT-2's split pattern,
+    ``<|endoftext|>`` (id 260) as its end-of-sequence token and the special tokens GLM's converter looks up
+    (ids 261-263)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +46,7 @@ def tokenizer():
     tok = Tokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
+    tok.add_special_tokens(["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 

@@ -25,6 +25,11 @@ MODELS = {
                          num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                          first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
                          qk_nope_head_dim=16, v_head_dim=16, scoring_func="sigmoid")),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, n_routed_experts=8,
+                      num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                      attention_bias=True, use_qk_norm=True, routed_scaling_factor=1.5,
+                      num_nextn_predict_layers=0)),  # transformers has no MTP layer; the converter would count one
 }
 
 

@@ -8,8 +8,8 @@ Differences every family has (the converter's or jgptq's choices that llama.cpp'
   converter writes them only when tokenizer_config.json sets them.
 - ``tokenizer.ggml.bos_token_id``/``padding_token_id``: the converter also takes special token ids from the
   model's config.json (the tiny configs name ids the tokenizer does not declare); jgptq writes the tokenizer's.
-- Hyperparameters jgptq writes where the converter leaves llama.cpp's default (:data:`DEFAULTS`): accepted only
-  when jgptq's value is that default.
+- Hyperparameters one side writes where the other leaves llama.cpp's default (:data:`DEFAULTS`): accepted only
+  when the written value is that default.
 Each family lists its own exceptions in :data:`EXCEPTIONS` (metadata keys) and :data:`TENSOR_EXCEPTIONS`.
 """
 
@@ -39,8 +39,9 @@ DEFAULTS = {
     "attention.key_length": _head,
     "attention.value_length": _head,
     "rope.dimension_count": lambda meta, arch: meta.get(f"{arch}.attention.key_length", _head(meta, arch)),
+    "nextn_predict_layers": lambda meta, arch: 0,
 }
-# family -> {metadata key without the architecture prefix: why it may differ}
+# family -> {metadata key (without the architecture prefix, but for tokenizer.*): why it may differ}
 EXCEPTIONS = {
     "llama": {},
     "mixtral": {},
@@ -48,6 +49,10 @@ EXCEPTIONS = {
     "olmoe": {},
     "qwen2_moe": {},
     "deepseek_v3": {},
+    "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
+                    "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"
+                 for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",
+                           "tokenizer.ggml.eom_token_id")},
 }
 # family -> {tensor name without "blk.N.": (the difference, why llama.cpp loads both alike)}
 TENSOR_EXCEPTIONS = {
@@ -100,13 +105,14 @@ def test_float_export_matches_llama_cpp_converter(family, folder):
     assert tensors == {}, f"{family}: tensors differ from llama.cpp's converter: {tensors}"
     meta = {k: f.contents() for k, f in ra.fields.items()}
     arch = meta["general.architecture"]
-    allowed = SHARED | {f"{arch}.{k}" for k in EXCEPTIONS[family]}
+    allowed = SHARED | {k if k.startswith("tokenizer.") else f"{arch}.{k}" for k in EXCEPTIONS[family]}
     unexplained = {}
     for key, (mine, theirs_value) in diff["meta"].items():
         short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
         if key in allowed or (key.startswith("general.") and key not in ALWAYS):
             continue
-        if theirs_value is None and short in DEFAULTS and mine == DEFAULTS[short](meta, arch):
+        present = theirs_value if mine is None else mine
+        if None in (mine, theirs_value) and short in DEFAULTS and present == DEFAULTS[short](meta, arch):
             continue
         unexplained[key] = (mine, theirs_value)
     assert unexplained == {}, f"{family}: metadata differs from llama.cpp's converter: {unexplained}"

@@ -37,7 +37,7 @@ def arch_of(model) -> Arch:
         raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}) has no GGUF exporter; supported "
                                    f"model types: {sorted(ARCHITECTURES)}")
     spec = ARCHITECTURES[mt]
-    if getattr(cfg, "attention_bias", False):
+    if getattr(cfg, "attention_bias", False) and not spec.qkv_bias:
         _refuse(model, "attention_bias=True", "attention biases are not written by this exporter")
     if getattr(cfg, "mlp_bias", False):
         _refuse(model, "mlp_bias=True", "MLP biases are not written by this exporter")

@@ -97,3 +97,35 @@ def require_every_layer_moe(model, spec: Arch) -> None:
     cfg = model.config
     if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
         refuse(model, "mlp_only_layers/decoder_sparse_step", f"llama.cpp's {spec.name} has experts in every layer")
+
+
+def sigmoid_routing(cfg, meta, key, *, always_norm: bool = False) -> None:
+    """The routing keys of DeepSeek-V3-style routers (sigmoid scores, a choice-only correction bias, group-limited
+    top-k, optional renormalisation, a routed scaling factor) and their dense leading layers and shared experts;
+    ``always_norm`` writes ``expert_weights_norm`` also when False."""
+    k = gguf.Keys.LLM
+    meta[key(k.LEADING_DENSE_BLOCK_COUNT)] = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    meta[key(k.EXPERT_SHARED_COUNT)] = int(getattr(cfg, "n_shared_experts", 0) or 0)
+    meta[key(k.EXPERT_WEIGHTS_SCALE)] = float(cfg.routed_scaling_factor)
+    if always_norm or getattr(cfg, "norm_topk_prob", False):
+        meta[key(k.EXPERT_WEIGHTS_NORM)] = bool(getattr(cfg, "norm_topk_prob", False))
+    meta[key(k.EXPERT_GROUP_COUNT)] = int(getattr(cfg, "n_group", 1) or 1)
+    meta[key(k.EXPERT_GROUP_USED_COUNT)] = int(getattr(cfg, "topk_group", 1) or 1)
+    meta[key(k.EXPERT_GATING_FUNC)] = gguf.ExpertGatingFuncType.SIGMOID.value  # transformers' router
+
+
+def check_groups(model, spec) -> None:
+    """Refuses routed experts that do not split into ``n_group`` groups."""
+    cfg = model.config
+    experts, groups = num_experts(cfg), int(getattr(cfg, "n_group", 1) or 1)
+    if experts % groups:
+        refuse(model, f"n_group={groups}", f"{experts} experts do not split into {groups} groups")
+
+
+def correction_bias(model, spec, param, tmap):
+    """The router's ``e_score_correction_bias`` as ``blk.N.exp_probs_b.bias`` (float32), or None."""
+    from jgptq_torch.export.gguf.arch import Target
+
+    if param.endswith(".e_score_correction_bias"):
+        return [Target(tmap.get_name(param[: -len("_bias")]) + ".bias", role="norm")]
+    return None

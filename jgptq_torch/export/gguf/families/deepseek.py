@@ -20,7 +20,8 @@ import dataclasses
 import gguf
 import numpy as np
 
-from jgptq_torch.export.gguf.families.base import Arch, refuse
+from jgptq_torch.export.gguf.families.base import (Arch, check_groups, correction_bias, refuse,
+                                                   sigmoid_routing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,31 +64,22 @@ def _check(model, spec):
     cfg = model.config
     if not getattr(cfg, "rope_interleave", True):
         refuse(model, "rope_interleave=False", "llama.cpp's deepseek2 rotates interleaved pairs of the stored rows")
-    experts, groups = int(cfg.n_routed_experts), int(getattr(cfg, "n_group", 1) or 1)
-    if experts % groups:
-        refuse(model, f"n_group={groups}", f"{experts} experts do not split into {groups} groups")
+    check_groups(model, spec)
 
 
 def _meta(cfg, meta, key):
-    k, a = gguf.Keys.LLM, gguf.Keys.Attention
+    a = gguf.Keys.Attention
     lora, rope = int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
     meta[key(a.HEAD_COUNT_KV)] = 1
     meta[key(a.KEY_LENGTH)] = lora + rope
     meta[key(a.VALUE_LENGTH)] = lora
     meta[key(gguf.Keys.Rope.DIMENSION_COUNT)] = rope
-    meta[key(k.LEADING_DENSE_BLOCK_COUNT)] = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     if getattr(cfg, "q_lora_rank", None):
         meta[key(a.Q_LORA_RANK)] = int(cfg.q_lora_rank)
     meta[key(a.KV_LORA_RANK)] = lora
     meta[key(a.KEY_LENGTH_MLA)] = int(cfg.qk_nope_head_dim) + rope
     meta[key(a.VALUE_LENGTH_MLA)] = int(cfg.v_head_dim)
-    meta[key(k.EXPERT_SHARED_COUNT)] = int(getattr(cfg, "n_shared_experts", 0) or 0)
-    meta[key(k.EXPERT_WEIGHTS_SCALE)] = float(cfg.routed_scaling_factor)
-    if getattr(cfg, "norm_topk_prob", False):
-        meta[key(k.EXPERT_WEIGHTS_NORM)] = True
-    meta[key(k.EXPERT_GROUP_COUNT)] = int(getattr(cfg, "n_group", 1) or 1)
-    meta[key(k.EXPERT_GROUP_USED_COUNT)] = int(getattr(cfg, "topk_group", 1) or 1)
-    meta[key(k.EXPERT_GATING_FUNC)] = gguf.ExpertGatingFuncType.SIGMOID.value  # transformers' router
+    sigmoid_routing(cfg, meta, key)
 
 
 def _special(model, spec, param, tmap):
@@ -102,9 +94,7 @@ def _special(model, spec, param, tmap):
             split = KVSplit(part, int(cfg.num_attention_heads), int(cfg.qk_nope_head_dim), int(cfg.v_head_dim))
             out.append(Target(name + ".weight", split=split))
         return out
-    if param.endswith(".e_score_correction_bias"):
-        return [Target(tmap.get_name(param[: -len("_bias")]) + ".bias", role="norm")]
-    return None
+    return correction_bias(model, spec, param, tmap)
 
 
 FAMILIES = [Arch("deepseek_v3", gguf.MODEL_ARCH.DEEPSEEK2, permute_qk=False, expert_ff="moe_intermediate_size",
