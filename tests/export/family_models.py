@@ -7,7 +7,9 @@ from tests.export.converter import VOCAB
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, tie_word_embeddings=False)
 
-# family -> (config class, model class, settings over COMMON)
+# family -> (config class, model class, settings over COMMON). ``scoring_func="sigmoid"``: transformers' routers of
+# these families are sigmoid whatever the config says; llama.cpp's converter writes the gating function only from
+# this key (the original checkpoints' configs have it).
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, head_dim=16)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -26,10 +28,20 @@ MODELS = {
                          first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
                          qk_nope_head_dim=16, v_head_dim=16, scoring_func="sigmoid")),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, n_routed_experts=8,
+                 dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_key_value_heads=4,
+                   n_routed_experts=8,
                       num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                       attention_bias=True, use_qk_norm=True, routed_scaling_factor=1.5,
                       num_nextn_predict_layers=0)),  # transformers has no MTP layer; the converter would count one
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_key_value_heads=4,
+                   n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                   norm_topk_prob=True, routed_scaling_factor=1.5, scoring_func="sigmoid")),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                        rotary_dim=8, scoring_func="sigmoid")),  # the converter reads rotary_dim
 }
 
 

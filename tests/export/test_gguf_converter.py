@@ -49,6 +49,8 @@ EXCEPTIONS = {
     "olmoe": {},
     "qwen2_moe": {},
     "deepseek_v3": {},
+    "dots1": {},
+    "minimax_m2": {},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
                     "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"
                  for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",

@@ -48,7 +48,8 @@ def arch_of(model) -> Arch:
                     f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
     if spec.check is not None:
         spec.check(model, spec)
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "sliding_window", None):
+    if not spec.window_from_layer_types and (getattr(cfg, "use_sliding_window", False)
+                                             or getattr(cfg, "sliding_window", None)):
         _refuse(model, f"sliding_window={getattr(cfg, 'sliding_window', None)}",
                 f"llama.cpp's {spec.name} graph attends to the whole context")
     rope = _rope(cfg)

@@ -28,6 +28,8 @@ class Arch:
       expert_ff: config attribute of the expert width (None: the family writes none).
       shared_ff: config attribute of the shared expert's width (None: no shared expert).
       qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
+      window_from_layer_types: the config's ``sliding_window`` applies only to the layers ``layer_types`` marks
+        as sliding (the family's check refuses those); otherwise any ``sliding_window`` is refused.
       check: family-specific refusals, ``check(model, spec)``; raises :class:`UnsupportedGGUFModel`.
       meta: family-specific metadata, ``meta(cfg, meta, key)`` updates ``meta`` in place (``key`` formats a
         ``gguf.Keys`` template with the architecture name).
@@ -44,6 +46,7 @@ class Arch:
     expert_ff: str | None = None
     shared_ff: str | None = None
     qkv_bias: bool = False
+    window_from_layer_types: bool = False
     check: Callable | None = None
     meta: Callable | None = None
     special: Callable | None = None
