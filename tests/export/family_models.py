@@ -42,6 +42,9 @@ MODELS = {
                    dict(intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                         rotary_dim=8, scoring_func="sigmoid")),  # the converter reads rotary_dim
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
 }
 
 

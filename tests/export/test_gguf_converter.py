@@ -50,6 +50,7 @@ EXCEPTIONS = {
     "qwen2_moe": {},
     "deepseek_v3": {},
     "dots1": {},
+    "granitemoe": {},
     "minimax_m2": {},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
                     "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"

@@ -20,7 +20,7 @@ from tests.export.gguf_models import quantize_in_place
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
-FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 
@@ -44,8 +44,14 @@ def torch_logits(model, ids=IDS) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _quantized(family):
+    """The model with every weight llama.cpp quantizes (by the exporter's plan: not routers, norms, embedding or
+    head) encoded in q8_0 and written back dequantized, and the records."""
+    from jgptq_torch.export.gguf.arch import arch_of, targets
+
     model = build(family)
-    return model, quantize_in_place(model, "q8_0")
+    plan = targets(model, arch_of(model))
+    keep = {p for p, ts in plan.items() if ts and all(t.role == "weight" for t in ts)}
+    return model, quantize_in_place(model, "q8_0", only=keep)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -216,6 +216,8 @@ def targets(model, spec: Arch) -> dict:
             _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
         entries = []
         for hf, rows in parts:
+            for given, known in spec.aliases:
+                hf = hf.replace(given, known)
             name = tmap.get_name(hf)
             if name is None:
                 _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
