@@ -45,7 +45,11 @@ MODELS = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                    dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                         residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
+# built only to be refused
+REFUSED = {"phimoe"}
 
 
 def build(family: str, seed: int = 0, **overrides):

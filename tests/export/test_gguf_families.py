@@ -15,6 +15,7 @@ from tests.export.gguf_models import read
     ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=16), "whole context"),
     ("deepseek_v3", dict(rope_interleave=False), "interleaved"),
     ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
+    ("phimoe", {}, "sparsemixer"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 
 from jgptq_torch import models
-from jgptq_torch.export.gguf.families import ARCHITECTURES, Arch, UnsupportedGGUFModel
+from jgptq_torch.export.gguf.families import ARCHITECTURES, REFUSED, Arch, UnsupportedGGUFModel
 from jgptq_torch.export.gguf.families.base import head_dim, num_experts, refuse as _refuse
 from jgptq_torch.export.gguf.families.base import rope_parameters as _rope
 
@@ -33,6 +33,8 @@ def arch_of(model) -> Arch:
     """
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
+    if mt in REFUSED:
+        raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}): {REFUSED[mt]}")
     if mt not in ARCHITECTURES:
         raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}) has no GGUF exporter; supported "
                                    f"model types: {sorted(ARCHITECTURES)}")

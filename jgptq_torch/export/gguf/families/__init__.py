@@ -7,4 +7,10 @@ from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
 
 ARCHITECTURES = {spec.model_type: spec for module in (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite) for spec in module.FAMILIES}
 
-__all__ = ["ARCHITECTURES", "Arch", "UnsupportedGGUFModel"]
+# model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)
+REFUSED = {
+    "phimoe": "llama.cpp's phimoe routes with a renormalised softmax top-2, not transformers' sparsemixer, and "
+              "loads an output bias the model need not have",
+}
+
+__all__ = ["ARCHITECTURES", "REFUSED", "Arch", "UnsupportedGGUFModel"]
