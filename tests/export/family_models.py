@@ -45,11 +45,17 @@ MODELS = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                    dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                         residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
+                          moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
+                          head_dim=16)),  # the converter's shared width is intermediate_size // kv heads: 32 here
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
 # built only to be refused
 REFUSED = {"phimoe"}
+# families whose converter reads only a SentencePiece vocabulary: it is made to read the tests' BPE one as GPT-2's
+BPE_VOCAB = {"ernie4_5_moe"}
 
 
 def build(family: str, seed: int = 0, **overrides):

@@ -21,7 +21,7 @@ import pytest
 
 from jgptq_torch.export.gguf.export import export_gguf
 from tests.export import converter
-from tests.export.family_models import MODELS, REFUSED, build
+from tests.export.family_models import BPE_VOCAB, MODELS, REFUSED, build
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -50,6 +50,7 @@ EXCEPTIONS = {
     "qwen2_moe": {},
     "deepseek_v3": {},
     "dots1": {},
+    "ernie4_5_moe": {},
     "granitemoe": {},
     "minimax_m2": {},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
@@ -59,6 +60,8 @@ EXCEPTIONS = {
 }
 # family -> {tensor name without "blk.N.": (the difference, why llama.cpp loads both alike)}
 TENSOR_EXCEPTIONS = {
+    "ernie4_5_moe": {"exp_probs_b.bias": "written as {n_expert}, the converter's as {n_expert, 1} (transformers "
+                                         "keeps it (1, E)): the same extent and bytes, loaded as {n_expert}"},
     "qwen2_moe": {"ffn_gate_inp_shexp.weight": "written as {n_embd}, the converter's as {n_embd, 1}: the same "
                                               "ggml extent and bytes, and llama.cpp loads it as {n_embd}"},
 }
@@ -79,7 +82,7 @@ def converted(family: str, folder):
     model = build(family)
     folder = folder / family
     tok = converter.save(model, folder)
-    theirs = converter.convert(folder, folder / "theirs.gguf", src)
+    theirs = converter.convert(folder, folder / "theirs.gguf", src, bpe_vocab=family in BPE_VOCAB)
     ours = export_gguf(model, None, folder / "ours.gguf", float_type="f32", tokenizer=tok, name=family)
     return model, ours, theirs
 

@@ -16,6 +16,7 @@ from tests.export.gguf_models import read
     ("deepseek_v3", dict(rope_interleave=False), "interleaved"),
     ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
     ("phimoe", {}, "sparsemixer"),
+    ("ernie4_5_moe", dict(moe_layer_end_index=1), "up to the last layer"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

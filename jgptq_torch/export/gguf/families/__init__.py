@@ -2,10 +2,10 @@
 :class:`Arch`). Each module declares its families' llama.cpp architecture, refusals, metadata and any tensors the
 ``gguf`` package's name map does not give by itself."""
 
-from jgptq_torch.export.gguf.families import deepseek, glm, granite, llama, olmoe, qwen, sigmoid_routed
+from jgptq_torch.export.gguf.families import deepseek, ernie, glm, granite, llama, olmoe, qwen, sigmoid_routed
 from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
 
-ARCHITECTURES = {spec.model_type: spec for module in (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite) for spec in module.FAMILIES}
+ARCHITECTURES = {spec.model_type: spec for module in (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie) for spec in module.FAMILIES}
 
 # model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)
 REFUSED = {
