@@ -52,6 +52,7 @@ EXCEPTIONS = {
     "dots1": {},
     "ernie4_5_moe": {},
     "granitemoe": {},
+    "granitemoeshared": {},
     "minimax_m2": {},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
                     "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"

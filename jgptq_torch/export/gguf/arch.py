@@ -151,9 +151,9 @@ class Target:
       role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
       flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
       split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
-        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where ``keeps_blocks``,
-        ``blocks(payload)`` of a record (else the tensor is written in the float type from the record's
-        dequantized values).
+        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
+        ``keeps_blocks``, ``blocks(payload)`` of a record (else the tensor is written in the float type from the
+        record's dequantized values).
     """
 
     name: str

@@ -5,7 +5,8 @@
 from jgptq_torch.export.gguf.families import deepseek, ernie, glm, granite, llama, olmoe, qwen, sigmoid_routed
 from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
 
-ARCHITECTURES = {spec.model_type: spec for module in (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie) for spec in module.FAMILIES}
+_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie)
+ARCHITECTURES = {spec.model_type: spec for module in _MODULES for spec in module.FAMILIES}
 
 # model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)
 REFUSED = {

@@ -1,7 +1,7 @@
 """Families whose routers score experts with a sigmoid and choose with a correction bias (``exp_probs_b``), and
 whose attention is Qwen3's (Q/K norms, NeoX rotary): dots.llm1 (``dots1``: DeepSeek-V3 routing with groups,
-shared experts, dense leading layers; multi-head attention only) and MiniMax-M2 (``minimax-m2``: renormalised top-k, Q/K norms over the
-whole projection, partial rotary)."""
+shared experts, dense leading layers; multi-head attention only) and MiniMax-M2 (``minimax-m2``: renormalised
+top-k, Q/K norms over the whole projection, partial rotary)."""
 
 import gguf
 
