@@ -48,3 +48,31 @@ def test_deepseek2_mix_formats_match_llama_model_quantize(preset, tmp_path):
             compared.add(gguf_name.split(".", 2)[2])
     assert {"attn_v_b.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight", "attn_output.weight",
             "ffn_down_exps.weight", "ffn_down_shexp.weight", "ffn_down.weight"} <= compared
+
+
+def test_deepseek2_imatrix_is_accepted_by_llama_model_quantize(tmp_path):
+    """An importance file from export_imatrix has, for attn_v_b, the kv_b_proj statistic once per head (llama.cpp
+    checks ne0 x ne2 values and aborts on a mismatch) and no attn_k_b entry (another input); llama_model_quantize
+    reads it (llama_side.read_imatrix) and quantizes q4_k_m with it."""
+    pytest.importorskip("llama_cpp")
+    from benchmarks.quality import llama_side
+    from jgptq_torch.export.gguf.export import export_gguf, export_imatrix
+
+    model = build("deepseek_v3", **WIDE)
+    src = str(tmp_path / "f32.gguf")
+    export_gguf(model, None, src, float_type="f32")
+    rng = np.random.default_rng(0)
+    stats = {}
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and "embed" not in name and "lm_head" not in name and ".mlp.gate." not in name:
+            experts = p.shape[0] if p.ndim == 3 else 1
+            stats[name] = (rng.uniform(0.5, 2.0, (experts, p.shape[-1])).astype(np.float32),
+                           np.full(experts, 10.0, np.float32))
+    path = export_imatrix(model, stats, tmp_path / "imatrix.gguf")
+    read = llama_side.read_imatrix(str(path))
+    heads, lora = model.config.num_attention_heads, model.config.kv_lora_rank
+    assert read["blk.1.attn_v_b.weight"].shape == (heads * lora,)
+    assert "blk.1.attn_k_b.weight" not in read
+    dst = str(tmp_path / "q4_k_m.gguf")
+    llama_side.quantize(src, dst, "q4_k_m", read, keep_type="F32", threads=1)
+    assert llama_side.tensor_types(dst)["blk.1.attn_v_b.weight"] == "Q4_K"

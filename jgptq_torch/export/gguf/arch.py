@@ -153,7 +153,7 @@ class Target:
       split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
         ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
         ``keeps_blocks``, ``blocks(payload)`` of a record (else the tensor is written in the float type from the
-        record's dequantized values).
+        record's dequantized values), and ``imatrix(sums, counts)``: its importance entry, or None.
     """
 
     name: str

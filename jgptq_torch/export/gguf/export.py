@@ -305,7 +305,9 @@ def _block_hint(shape: tuple, rec: GGMLWeight) -> str:
 def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0,
                    overwrite: bool = False):
     """Writes ``imatrix`` (model parameter name -> :class:`jgptq.imatrix.ImatrixEntry`) as a GGUF imatrix file
-    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry).
+    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry; a family's
+    split tensor gets what its split derives, e.g. deepseek2's ``attn_v_b`` the entry once per head and
+    ``attn_k_b``, whose input is another activation, none).
 
     Args:
       model: the transformers model of a supported family (the names of :func:`gguf_names`).
@@ -336,7 +338,13 @@ def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, c
         if sums.shape != (experts, shape[-1]):
             raise ValueError(f"imatrix entry {param!r}: sums {sums.shape} do not match the parameter {shape} "
                              f"(expected ({experts}, {shape[-1]}))")
+        counts = np.asarray(entry[1], np.float32).reshape(-1)
         for t in plan[param]:
-            entries[t.name] = ImatrixEntry(sums, np.asarray(entry[1], np.float32).reshape(-1))
+            if t.split is not None:  # a family's rearrangement: its own statistic, or none (another input)
+                found = t.split.imatrix(sums, counts)
+                if found is not None:
+                    entries[t.name] = ImatrixEntry(*found)
+                continue
+            entries[t.name] = ImatrixEntry(sums, counts)
     return write_imatrix(path, entries, datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size,
                          overwrite=overwrite)

@@ -55,6 +55,14 @@ class KVSplit:
         per_head = self._heads(value)
         return per_head[:, :self.nope].transpose(0, 2, 1) if self.part == "k" else per_head[:, self.nope:]
 
+    def imatrix(self, sums: np.ndarray, counts: np.ndarray):
+        """The importance entry of this half from kv_b_proj's (sums (1, lora), counts (1,)): ``attn_v_b`` is a
+        stack of ``heads`` matrices on kv_b's input, so the entry once per head; ``attn_k_b`` multiplies the
+        queries' no-rope part, an input the statistic does not describe: None."""
+        if self.part == "k":
+            return None
+        return np.repeat(sums, self.heads, axis=0), np.repeat(counts, self.heads)
+
     def blocks(self, payload: np.ndarray) -> np.ndarray:
         """The record's blocks (heads, v, blocks, bytes) of ``attn_v_b`` (only: see :attr:`keeps_blocks`)."""
         return self._heads(payload)[:, self.nope:]
