@@ -30,12 +30,14 @@ mxfp4_moe   mxfp4   routed experts (3-D tensors in GGUF) mxfp4, every other weig
 and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and,
 in q4_k_m, q4_k_s and q3_k_m, attn_output q5_k (q2_k_s takes the q8_0 attn_v and attn_k; iq2_m follows its own
 rules above, where llama.cpp checks the IQ2/IQ1 mixes before the 8-expert rule). ``n_gqa`` is query heads per
-key-value head. Categories: attn_v = ``v_proj`` or ``kv_b_proj``, attn_k =
+key-value head. Categories: attn_v = ``v_proj``, attn_k =
 ``k_proj``, attn_output = ``o_proj``/``out_proj``, attn_qkv = ``qkv_proj``/``query_key_value``/``Wqkv``,
 ffn_down = ``down_proj``/``w2`` (in any MLP or experts module). llama.cpp's counter of attn_v tensors equals the
 layer index for models with one attn_v per layer, which is what is used here; likewise its ffn_down counter of the
 IQ2 mixes is the layer index when a layer has one ffn_down tensor (llama.cpp counts a layer's shared-expert
-ffn_down as one more).
+ffn_down as one more). Multi-head latent attention's ``kv_b_proj`` is no attn_v: llama.cpp's files hold it split
+into ``attn_k_b``/``attn_v_b``, which its mixes treat as any other weight (only a legacy unsplit ``attn_kv_b``
+counts as attn_v there).
 
 ``mxfp4_moe`` is llama.cpp's MXFP4_MOE (gpt-oss's file type), which decides by tensor shape: a tensor with a third
 dimension (a stack of routed experts) gets MXFP4, any other quantized one Q8_0, the token embedding and output head
@@ -59,7 +61,7 @@ LLAMA_FALLBACK = {"iq1_s": "iq4_nl", "iq1_m": "iq4_nl", "iq2_xxs": "iq4_nl", "iq
 
 _CATEGORIES = (
     ("attn_qkv", re.compile(r"(^|\.)(qkv_proj|query_key_value|Wqkv)$")),
-    ("attn_v", re.compile(r"(^|\.)(v_proj|kv_b_proj)$")),
+    ("attn_v", re.compile(r"(^|\.)v_proj$")),
     ("attn_k", re.compile(r"(^|\.)k_proj$")),
     ("attn_output", re.compile(r"(^|\.)(o_proj|out_proj)$")),
     ("ffn_down", re.compile(r"(^|\.)(down_proj|w2)$")),

@@ -33,14 +33,15 @@ def is_target(name: str, param) -> bool:
             and "lm_head" not in name)
 
 
-def quantize_in_place(model, fmt: str) -> types.SimpleNamespace:
-    """Encodes every target weight of ``model`` in ``fmt`` (nn.Linear orientation), writes the decoded values
-    back, and returns a result whose ``weights`` are keyed by parameter name (fused stacks whole)."""
+def quantize_in_place(model, fmt: str, only=None) -> types.SimpleNamespace:
+    """Encodes every target weight of ``model`` (or the parameters named in ``only``) in ``fmt`` (nn.Linear
+    orientation), writes the decoded values back, and returns a result whose ``weights`` are keyed by parameter
+    name (fused stacks whole)."""
     f = get_format(fmt)
     weights = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not is_target(name, p):
+            if not (is_target(name, p) if only is None else name in only):
                 continue
             w = p.detach().float().numpy()
             payload = np.asarray(encode(w, fmt)).reshape(w.shape[:-1] + (w.shape[-1] // f.block_size, f.type_size))

@@ -1,7 +1,8 @@
 """What llama.cpp needs to know about a transformers model: its GGUF architecture, metadata and tensor names.
 
 - :data:`ARCHITECTURES`: the transformers ``model_type``\\ s the GGUF exporter writes and their llama.cpp
-  architecture (names and metadata keys come from the ``gguf`` package's tables).
+  architecture, one entry per family in :mod:`jgptq_torch.export.gguf.families` (names and metadata keys come
+  from the ``gguf`` package's tables).
 - :func:`arch_of`: the :class:`Arch` of a model, after checking that llama.cpp computes the same function.
 - :func:`gguf_names`: model parameter name -> the GGUF tensors its rows go to.
 - :func:`metadata`: the ``{arch}.*`` hyperparameter keys from the model's config.
@@ -17,58 +18,9 @@ import gguf
 import numpy as np
 
 from jgptq_torch import models
-
-
-class UnsupportedGGUFModel(ValueError):
-    """The model (or one of its settings) has no faithful llama.cpp GGUF counterpart in this exporter."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    """A supported family.
-
-    Attributes:
-      model_type: transformers ``config.model_type``.
-      arch: the llama.cpp architecture.
-      permute_qk: llama.cpp applies the "normal" (interleaved-pair) RoPE, so Q and K rows are permuted from HF's
-        rotate-half order.
-      output_required: llama.cpp loads ``output.weight`` unconditionally (tied embeddings are written twice).
-      norm_topk: the top-k renormalisation llama.cpp hard-codes for the family (None: dense).
-      expert_ff: config attribute of the expert width (None: the family writes none).
-      shared_ff: config attribute of the shared expert's width (None: no shared expert).
-      qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
-    """
-
-    model_type: str
-    arch: gguf.MODEL_ARCH
-    permute_qk: bool
-    output_required: bool = False
-    norm_topk: bool | None = None
-    expert_ff: str | None = None
-    shared_ff: str | None = None
-    qkv_bias: bool = False
-
-    @property
-    def name(self) -> str:
-        return gguf.MODEL_ARCH_NAMES[self.arch]
-
-
-ARCHITECTURES = {
-    "llama": Arch("llama", gguf.MODEL_ARCH.LLAMA, permute_qk=True),
-    "mixtral": Arch("mixtral", gguf.MODEL_ARCH.LLAMA, permute_qk=True, norm_topk=True),
-    "qwen3_moe": Arch("qwen3_moe", gguf.MODEL_ARCH.QWEN3MOE, permute_qk=False, norm_topk=True,
-                      expert_ff="moe_intermediate_size"),
-    "olmoe": Arch("olmoe", gguf.MODEL_ARCH.OLMOE, permute_qk=False, output_required=True, norm_topk=False),
-    "qwen2_moe": Arch("qwen2_moe", gguf.MODEL_ARCH.QWEN2MOE, permute_qk=False, output_required=True, norm_topk=False,
-                      expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size",
-                      qkv_bias=True),
-}
-# Q/K/V output widths that llama.cpp's graph of these families hard-codes to the embedding width
-_Q_IS_EMBEDDING = {"olmoe", "qwen2_moe"}
-
-
-def _refuse(model, setting: str, why: str):
-    raise UnsupportedGGUFModel(f"{type(model).__name__}: {setting}: {why}")
+from jgptq_torch.export.gguf.families import ARCHITECTURES, REFUSED, Arch, UnsupportedGGUFModel
+from jgptq_torch.export.gguf.families.base import head_dim, num_experts, refuse as _refuse
+from jgptq_torch.export.gguf.families.base import rope_parameters as _rope
 
 
 def arch_of(model) -> Arch:
@@ -81,33 +33,27 @@ def arch_of(model) -> Arch:
     """
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
+    if mt in REFUSED:
+        raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}): {REFUSED[mt]}")
     if mt not in ARCHITECTURES:
         raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}) has no GGUF exporter; supported "
                                    f"model types: {sorted(ARCHITECTURES)}")
     spec = ARCHITECTURES[mt]
-    if getattr(cfg, "attention_bias", False):
+    if getattr(cfg, "attention_bias", False) and not spec.qkv_bias:
         _refuse(model, "attention_bias=True", "attention biases are not written by this exporter")
     if getattr(cfg, "mlp_bias", False):
         _refuse(model, "mlp_bias=True", "MLP biases are not written by this exporter")
     if spec.norm_topk is not None:
-        given = bool(getattr(cfg, "norm_topk_prob", True if mt == "mixtral" else False))
+        given = bool(getattr(cfg, "norm_topk_prob", spec.norm_topk_default))
         if given != spec.norm_topk:
             _refuse(model, f"norm_topk_prob={given}", f"llama.cpp's {spec.name} graph always uses "
                     f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
-    if mt in _Q_IS_EMBEDDING and head_dim(cfg) * cfg.num_attention_heads != cfg.hidden_size:
-        _refuse(model, f"head_dim {head_dim(cfg)}", f"llama.cpp's {spec.name} needs head_dim x heads == hidden_size")
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
-            _refuse(model, "mlp_only_layers/decoder_sparse_step", f"llama.cpp's {spec.name} has experts in every layer")
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "sliding_window", None):
+    if spec.check is not None:
+        spec.check(model, spec)
+    if not spec.window_from_layer_types and (getattr(cfg, "use_sliding_window", False)
+                                             or getattr(cfg, "sliding_window", None)):
         _refuse(model, f"sliding_window={getattr(cfg, 'sliding_window', None)}",
                 f"llama.cpp's {spec.name} graph attends to the whole context")
-    if mt == "olmoe":
-        if getattr(cfg, "clip_qkv", None) is not None:
-            _refuse(model, "clip_qkv", "llama.cpp's olmoe graph does not clip Q/K/V")
-        if cfg.num_key_value_heads != cfg.num_attention_heads:
-            _refuse(model, "num_key_value_heads != num_attention_heads",
-                    "llama.cpp's olmoe loads attn_k_norm with the full embedding width (multi-head attention only)")
     rope = _rope(cfg)
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "linear", "llama3"):
@@ -115,29 +61,6 @@ def arch_of(model) -> Arch:
     if kind == "llama3" and spec.arch != gguf.MODEL_ARCH.LLAMA:
         _refuse(model, "rope_type 'llama3'", f"only the llama architecture reads rope_freqs, not {spec.name}")
     return spec
-
-
-def _rope(cfg) -> dict:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    params = params.get("full_attention", params)
-    if not params:
-        params = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", 10000.0)}
-        if getattr(cfg, "rope_scaling", None):
-            params.update(cfg.rope_scaling)
-            params.setdefault("rope_type", params.get("type", "default"))
-    return dict(params)
-
-
-def head_dim(cfg) -> int:
-    hd = getattr(cfg, "head_dim", None)
-    return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
-
-
-def num_experts(cfg) -> int | None:
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if getattr(cfg, key, None):
-            return int(getattr(cfg, key))
-    return None
 
 
 def metadata(model, spec: Arch) -> dict:
@@ -178,6 +101,8 @@ def metadata(model, spec: Arch) -> dict:
             meta[key(k.EXPERT_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.expert_ff))
         if spec.shared_ff:
             meta[key(k.EXPERT_SHARED_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.shared_ff))
+    if spec.meta is not None:
+        spec.meta(cfg, meta, key)
     return meta
 
 
@@ -225,6 +150,10 @@ class Target:
       heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
       role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
       flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
+      split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
+        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
+        ``keeps_blocks``, ``blocks(payload)`` of a record (else the tensor is written in the float type from the
+        record's dequantized values), and ``imatrix(sums, counts)``: its importance entry, or None.
     """
 
     name: str
@@ -232,6 +161,7 @@ class Target:
     heads: int | None = None
     role: str = "weight"
     flat: bool = False
+    split: object = None
 
 
 def _short(tensor: gguf.MODEL_TENSOR) -> str:
@@ -263,6 +193,10 @@ def targets(model, spec: Arch) -> dict:
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     out = {}
     for param, tensor in model.state_dict().items():
+        special = spec.special(model, spec, param, tmap) if spec.special is not None else None
+        if special is not None:
+            out[param] = special
+            continue
         module, attr = _experts_module(model, param)
         if module is not None:
             layout = models.ExpertsLayout.of(module)
@@ -284,6 +218,8 @@ def targets(model, spec: Arch) -> dict:
             _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
         entries = []
         for hf, rows in parts:
+            for given, known in spec.aliases:
+                hf = hf.replace(given, known)
             name = tmap.get_name(hf)
             if name is None:
                 _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")

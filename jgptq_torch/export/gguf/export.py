@@ -101,10 +101,21 @@ def _payload_rows(rec: GGMLWeight, t) -> np.ndarray:
 def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
     """float32 rows of a parameter a GGUF tensor takes (nn.Linear orientation, RoPE-permuted where needed)."""
     value = _linear_view(model, param, tensor)
+    if t.split is not None:
+        return np.ascontiguousarray(t.split.floats(value))
     data = value if t.rows is None else value[..., t.rows, :]
     if t.heads:  # rows of a weight, entries of a bias
         data = data[qk_row_order(t.heads, data.shape[-2] if data.ndim > 1 else data.shape[0])]
     return np.ascontiguousarray(data.reshape(-1) if t.flat else data)
+
+
+def _split_blocks(rec: GGMLWeight, t) -> np.ndarray:
+    return np.ascontiguousarray(t.split.blocks(rec.payload))
+
+
+def _split_dequantized(rec: GGMLWeight, t) -> np.ndarray:
+    """float32 of a record's dequantized values rearranged by a family's split (a tensor no block survives)."""
+    return np.ascontiguousarray(t.split.floats(np.asarray(rec.dequantize(), np.float32)))
 
 
 def output_path(out) -> Path:
@@ -226,6 +237,8 @@ class GGUFFile:
         if param is None:
             return tuple(self.freqs.shape)
         full = self.params[param]
+        if t.split is not None:
+            return tuple(t.split.shape(full))
         shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
         return (int(np.prod(shape)),) if t.flat else shape
 
@@ -235,6 +248,10 @@ class GGUFFile:
         shape = self.shape(param, t)
         if param is None:
             return GGUFTensor(t.name, self.freqs, "f32")
+        if rec is not None and t.split is not None:
+            if not t.split.keeps_blocks:
+                return GGUFTensor(t.name, functools.partial(_split_dequantized, rec, t), self.float_type, shape)
+            return GGUFTensor(t.name, functools.partial(_split_blocks, rec, t), rec.format, shape)
         if rec is not None:
             return GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape)
         kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else self.float_type
@@ -288,7 +305,9 @@ def _block_hint(shape: tuple, rec: GGMLWeight) -> str:
 def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0,
                    overwrite: bool = False):
     """Writes ``imatrix`` (model parameter name -> :class:`jgptq.imatrix.ImatrixEntry`) as a GGUF imatrix file
-    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry).
+    under the GGUF tensor names of ``model`` (both halves of a fused gate_up get the parameter's entry; a family's
+    split tensor gets what its split derives, e.g. deepseek2's ``attn_v_b`` the entry once per head and
+    ``attn_k_b``, whose input is another activation, none).
 
     Args:
       model: the transformers model of a supported family (the names of :func:`gguf_names`).
@@ -319,7 +338,13 @@ def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, c
         if sums.shape != (experts, shape[-1]):
             raise ValueError(f"imatrix entry {param!r}: sums {sums.shape} do not match the parameter {shape} "
                              f"(expected ({experts}, {shape[-1]}))")
+        counts = np.asarray(entry[1], np.float32).reshape(-1)
         for t in plan[param]:
-            entries[t.name] = ImatrixEntry(sums, np.asarray(entry[1], np.float32).reshape(-1))
+            if t.split is not None:  # a family's rearrangement: its own statistic, or none (another input)
+                found = t.split.imatrix(sums, counts)
+                if found is not None:
+                    entries[t.name] = ImatrixEntry(*found)
+                continue
+            entries[t.name] = ImatrixEntry(sums, counts)
     return write_imatrix(path, entries, datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size,
                          overwrite=overwrite)

@@ -1,0 +1,78 @@
+"""Tiny models of every GGUF family, small enough for llama.cpp's converter and C library in a second or two."""
+
+import torch
+
+from tests.export.converter import VOCAB
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+# family -> (config class, model class, settings over COMMON). ``scoring_func="sigmoid"``: transformers' routers of
+# these families are sigmoid whatever the config says; llama.cpp's converter writes the gating function only from
+# this key (the original checkpoints' configs have it).
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=32, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16, scoring_func="sigmoid")),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_key_value_heads=4,
+                   n_routed_experts=8,
+                      num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                      attention_bias=True, use_qk_norm=True, routed_scaling_factor=1.5,
+                      num_nextn_predict_layers=0)),  # transformers has no MTP layer; the converter would count one
+    "dots1": ("Dots1Config", "Dots1ForCausalLM",
+              dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_key_value_heads=4,
+                   n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                   norm_topk_prob=True, routed_scaling_factor=1.5, scoring_func="sigmoid")),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                        rotary_dim=8, scoring_func="sigmoid")),  # the converter reads rotary_dim
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                         dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                              shared_intermediate_size=64, embedding_multiplier=2.0, residual_multiplier=0.5,
+                              attention_multiplier=0.2, logits_scaling=3.0)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
+                          moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
+                          head_dim=16)),  # the converter's shared width is intermediate_size // kv heads: 32 here
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+}
+# built only to be refused
+REFUSED = {"phimoe"}
+# families whose converter reads only a SentencePiece vocabulary: it is made to read the tests' BPE one as GPT-2's
+BPE_VOCAB = {"ernie4_5_moe"}
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny float32 model of ``family`` (eval mode, weights drawn with ``seed``; biases, where the family has
+    them, drawn too so that they are not all zero)."""
+    import transformers
+
+    cfg_name, model_name, extra = MODELS[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model

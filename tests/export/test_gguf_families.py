@@ -1,0 +1,45 @@
+"""The family entries' own rules, without llama.cpp: refusals of settings llama.cpp's graph for the family would
+compute differently, and deepseek2's split of kv_b_proj against a numpy reference."""
+
+import numpy as np
+import pytest
+
+from jgptq_torch.export.gguf.arch import UnsupportedGGUFModel, arch_of, targets
+from jgptq_torch.export.gguf.export import export_gguf
+from tests.export.family_models import build
+from tests.export.gguf_models import read
+
+
+@pytest.mark.parametrize("family,overrides,match", [
+    ("dots1", dict(num_key_value_heads=2), "multi-head attention only"),
+    ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=16), "whole context"),
+    ("deepseek_v3", dict(rope_interleave=False), "interleaved"),
+    ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
+    ("phimoe", {}, "sparsemixer"),
+    ("ernie4_5_moe", dict(moe_layer_end_index=1), "up to the last layer"),
+])
+def test_refusals(family, overrides, match):
+    model = build(family, **overrides)
+    with pytest.raises(UnsupportedGGUFModel, match=match):
+        arch_of(model)
+
+
+def test_deepseek2_kv_b_split(tmp_path):
+    """attn_k_b is each head's key rows of kv_b_proj transposed, attn_v_b its value rows (the converter's layout,
+    read back from the file)."""
+    model = build("deepseek_v3")
+    cfg = model.config
+    _, tensors = read(export_gguf(model, None, tmp_path / "d.gguf", float_type="f32"))
+    kv_b = model.model.layers[1].self_attn.kv_b_proj.weight.detach().numpy().astype(np.float64)
+    h, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    per_head = kv_b.reshape(h, nope + v, cfg.kv_lora_rank)
+    k_b = np.asarray(tensors["blk.1.attn_k_b.weight"].data)
+    v_b = np.asarray(tensors["blk.1.attn_v_b.weight"].data)
+    assert k_b.shape == (h, cfg.kv_lora_rank, nope) and v_b.shape == (h, v, cfg.kv_lora_rank)
+    for head in range(h):
+        np.testing.assert_array_equal(k_b[head], per_head[head, :nope].T)
+        np.testing.assert_array_equal(v_b[head], per_head[head, nope:])
+    plan = targets(model, arch_of(model))
+    assert [t.name for t in plan["model.layers.1.self_attn.kv_b_proj.weight"]] == [
+        "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"]
+    assert [t.name for t in plan["model.layers.1.mlp.gate.e_score_correction_bias"]] == ["blk.1.exp_probs_b.bias"]

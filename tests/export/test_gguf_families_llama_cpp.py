@@ -1,0 +1,75 @@
+"""The families added after llama/mixtral/qwen/olmoe, run by llama.cpp (llama-cpp-python) from jgptq's GGUF:
+logits against the torch model holding the same weights.
+
+- float32 export: the same function in float32; asserted max |diff| < 1e-4 of the logit std.
+- q8_0 records (every weight but routers, norms, embedding and head encoded and written back dequantized):
+  llama.cpp also rounds the activations of each quantized matmul to q8_0 blocks, so the logits move by a few % of
+  their norm; asserted relative error ||got - want|| / ||want|| < 5% and the same top-1 token at >= 90% of the
+  positions.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+from jgptq_torch.export.gguf.export import export_gguf
+from tests.export.family_models import build
+from tests.export.gguf_models import quantize_in_place
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.llama_cpp
+
+FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe"]
+IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
+
+
+def llama_cpp_logits(path, ids=IDS) -> np.ndarray:
+    """float64 (len(ids), vocab): llama.cpp's logits of every position (f32 KV cache)."""
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_batch=64, n_threads=2,
+                          verbose=False, type_k=0, type_v=0)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], np.float64)
+    finally:
+        llm.close()
+
+
+def torch_logits(model, ids=IDS) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized(family):
+    """The model with every weight llama.cpp quantizes (by the exporter's plan: not routers, norms, embedding or
+    head) encoded in q8_0 and written back dequantized, and the records."""
+    from jgptq_torch.export.gguf.arch import arch_of, targets
+
+    model = build(family)
+    plan = targets(model, arch_of(model))
+    keep = {p for p, ts in plan.items() if ts and all(t.role == "weight" for t in ts)}
+    return model, quantize_in_place(model, "q8_0", only=keep)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_export_matches_torch(family, tmp_path):
+    model = build(family)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    want = torch_logits(model)
+    rel = np.abs(got - want).max() / want.std()
+    print(f"{family} f32: max |diff| {rel:.3g} of the logit std")
+    assert rel < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_0_export_matches_torch(family, tmp_path):
+    model, result = _quantized(family)
+    got = llama_cpp_logits(export_gguf(model, result, tmp_path / "q8_0.gguf", float_type="f32"))
+    want = torch_logits(model)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    top1 = np.mean(got.argmax(-1) == want.argmax(-1))
+    print(f"{family} q8_0: relative error {rel:.3g}, top-1 agreement {top1:.3g}")
+    assert rel < 0.05 and top1 >= 0.9
