@@ -153,3 +153,13 @@ def test_all_experts_calibration_is_refused_with_the_reason():
             collector.batch(torch.ones_like(ids)):
         with pytest.raises(models.UnsupportedModelError, match="pre-scaled by the routing score"):
             model(ids)
+
+
+def test_compressed_tensors_export_of_fused_llama4_experts_is_refused_by_name():
+    from jgptq_torch.export.checkpoint import ExportError, export_model
+
+    _, model, result = run("gptq")
+    # transformers keeps Llama 4's experts in fused (E, in, out) parameters that compressed-tensors cannot hold
+    with pytest.raises(ExportError, match=r"feed_forward\.experts\.\w+_proj: Llama4ForCausalLM checkpoints keep "
+                                          r"every expert in one fused tensor"):
+        export_model(model, result, "compressed-tensors", "/nonexistent/never-written")
