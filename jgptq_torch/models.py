@@ -31,21 +31,17 @@ class UnsupportedModelError(ValueError):
 # changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
 ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$")
 
-# Experts classes that are not dispatched through transformers' experts interface but whose inputs jgptq reads
-# (``jgptq_torch.pipeline.prescaled_capture``), with the layout flags their modules do not carry and the attribute
-# of their parent module that routes them. Llama 4's experts multiply every token, pre-scaled by its routing score
-# (0 off the top-k), as one batched product over all experts; the router says which rows are routed.
+# Undispatched experts whose inputs jgptq reads (``pipeline.prescaled_capture``): layout flags and their router's
+# attribute in the parent. Llama 4: every token reaches every expert pre-scaled by its routing score (0 off top-k).
 PRESCALED_EXPERTS = {
     "Llama4TextExperts": {"flags": {"is_transposed": True}, "router": "router"},
 }
 
 # Expert classes jgptq refuses, with the reason.
-UNDISPATCHED_EXPERTS = {
-    "JetMoeParallelExperts": "JetMoe's parallel experts are single stacks of E matrices (an input or an output "
-                             "projection; in the attention mixture the two are separated by attention), not a "
-                             "gate/up and down pair of one experts module, which is the only expert target jgptq "
-                             "solves and writes back",
-}
+UNDISPATCHED_EXPERTS = {"JetMoeParallelExperts": (
+    "JetMoe's parallel experts are single stacks of E matrices (an input or an output projection; in the attention "
+    "mixture the two are separated by attention), not a gate/up and down pair of one experts module, which is the "
+    "only expert target jgptq solves and writes back")}
 
 # Flags set by ``use_experts_implementation`` and their values when an older transformers does not set them.
 FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
