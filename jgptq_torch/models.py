@@ -31,11 +31,17 @@ class UnsupportedModelError(ValueError):
 # changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
 ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$")
 
-# Experts classes that hold 3-D expert weights but do not dispatch through transformers' experts interface.
-UNDISPATCHED_EXPERTS = {
-    "Llama4TextExperts": "Llama4 experts receive every token pre-scaled by its routing score and are not "
-                         "dispatched through the experts interface",
+# Undispatched experts whose inputs jgptq reads (``pipeline.prescaled_capture``): layout flags and their router's
+# attribute in the parent. Llama 4: every token reaches every expert pre-scaled by its routing score (0 off top-k).
+PRESCALED_EXPERTS = {
+    "Llama4TextExperts": {"flags": {"is_transposed": True}, "router": "router"},
 }
+
+# Expert classes jgptq refuses, with the reason.
+UNDISPATCHED_EXPERTS = {"JetMoeParallelExperts": (
+    "JetMoe's parallel experts are single stacks of E matrices (an input or an output projection; in the attention "
+    "mixture the two are separated by attention), not a gate/up and down pair of one experts module, which is the "
+    "only expert target jgptq solves and writes back")}
 
 # Flags set by ``use_experts_implementation`` and their values when an older transformers does not set them.
 FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
@@ -43,8 +49,16 @@ FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": Tr
 
 
 def flag(module, name: str) -> bool:
-    """An experts module's layout flag (its default when the installed transformers does not set it)."""
-    return bool(getattr(module, name, FLAG_DEFAULTS[name]))
+    """An experts module's layout flag (for a class of :data:`PRESCALED_EXPERTS`, the flag listed there; its default
+    when the installed transformers does not set it)."""
+    listed = PRESCALED_EXPERTS.get(type(module).__name__, {}).get("flags", {})
+    return bool(getattr(module, name, listed.get(name, FLAG_DEFAULTS[name])))
+
+
+def is_prescaled(module: nn.Module) -> bool:
+    """True for an experts module of :data:`PRESCALED_EXPERTS` (inputs pre-scaled by routing scores, read by
+    ``jgptq_torch.pipeline.prescaled_capture`` rather than through transformers' experts interface)."""
+    return type(module).__name__ in PRESCALED_EXPERTS
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -72,10 +86,11 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """True for a fused-experts module decorated with transformers' ``use_experts_implementation``."""
+    """True for a fused-experts module decorated with transformers' ``use_experts_implementation``, or of a class of
+    :data:`PRESCALED_EXPERTS`."""
     down = getattr(module, "down_proj", None)
     return (isinstance(down, nn.Parameter) and down.ndim == 3 and hasattr(module, "num_experts")
-            and (hasattr(module, "has_gate") or hasattr(module, "is_transposed")))
+            and (hasattr(module, "has_gate") or hasattr(module, "is_transposed") or is_prescaled(module)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +255,8 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
             continue
         cls = type(module).__name__
         if cls in UNDISPATCHED_EXPERTS:
-            raise UnsupportedModelError(f"{name} ({cls}): {UNDISPATCHED_EXPERTS[cls]}; jgptq cannot see its routed "
-                                        f"tokens")
+            raise UnsupportedModelError(f"{name} ({cls}): {UNDISPATCHED_EXPERTS[cls]}; jgptq cannot quantize "
+                                        f"these experts")
         if is_experts_module(module):
             inside.append(name)
             if any(re.search(p, name) for p in exclude):

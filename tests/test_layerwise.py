@@ -166,14 +166,13 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.\w+_proj.*Hessian contains NaN or Inf"):
         jgptq.quantize_moe(broken, CALIB, **OPTS)
 
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    from transformers import JetMoeConfig, JetMoeForCausalLM
 
-    llama4 = Llama4ForCausalLM(Llama4TextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=1))
-    with pytest.raises(UnsupportedModelError, match="Llama4TextExperts"):
-        jgptq.quantize_moe(llama4, CALIB, **OPTS)
+    jetmoe = JetMoeForCausalLM(JetMoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+        max_position_embeddings=128, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(UnsupportedModelError, match="JetMoeParallelExperts.*single stacks of E matrices"):
+        jgptq.quantize_moe(jetmoe, CALIB, **OPTS)
 
     class Block(torch.nn.Module):
         def __init__(self):

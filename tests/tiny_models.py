@@ -25,6 +25,11 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                        num_experts=8, num_experts_per_tok=2)),
+    # Llama 4 text: routed experts pre-scaled by a sigmoid routing score, a shared expert, and (with
+    # interleave_moe_layer_step=2) a dense MLP in every other layer
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(intermediate_size=32, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=1)),
 }
 
 

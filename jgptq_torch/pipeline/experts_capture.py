@@ -18,6 +18,7 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
+from jgptq_torch import models
 from jgptq_torch.models import ExpertsLayout, UnsupportedModelError, flag
 
 IMPLEMENTATION = "jgptq_capture"
@@ -181,7 +182,16 @@ def _register():
 @contextlib.contextmanager
 def experts_implementation(model):
     """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
-    choice (a no-op for a model without dispatchable experts)."""
+    choice (a no-op for a model without dispatchable experts). Experts that transformers does not dispatch
+    (:data:`jgptq_torch.models.PRESCALED_EXPERTS`) report their routed inputs through
+    :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture` for the same block."""
+    from jgptq_torch.pipeline.prescaled_capture import prescaled_capture
+
+    kinds = {models.is_prescaled(m) for m in model.modules() if models.is_experts_module(m)}
+    if kinds == {True}:                       # only undispatched experts: nothing to select
+        with prescaled_capture(model):
+            yield
+        return
     if not hasattr(model, "set_experts_implementation"):
         raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
                                     f"a transformers release with the experts interface is needed")
@@ -190,7 +200,8 @@ def experts_implementation(model):
     previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
     model.set_experts_implementation(IMPLEMENTATION)
     try:
-        yield
+        with prescaled_capture(model) if True in kinds else contextlib.nullcontext():
+            yield
     finally:
         if previous is not None and previous != {"": None}:
             model.set_experts_implementation(previous)

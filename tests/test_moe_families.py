@@ -1,0 +1,32 @@
+"""Every MoE family of the tiny test models: quantize_moe runs (round-to-nearest on one short calibration, every
+target on its grid), or the model is refused with its documented reason."""
+
+import pytest
+import torch
+
+import jgptq
+from jgptq_torch.models import UnsupportedModelError
+from tests.tiny_models import FAMILIES, build, token_ids
+
+CALIB = token_ids(2, 16, seed=1)
+MOE = sorted(f for f in FAMILIES if f != "llama")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_quantize_moe_runs_on_every_moe_family(family):
+    model = build(family)
+    result = jgptq.quantize_moe(model, CALIB, method="rtn", bits=4, group_size=16, batch_size=2, progress=False)
+    assert result.report.coverage, family                              # at least one MoE layer seen
+    for name, counts in result.report.coverage.items():
+        assert sum(counts) == model.config.num_experts_per_tok * CALIB.numel(), name
+    assert any(r.kind == "expert_gate_up" for r in result.report.records)
+
+
+def test_jetmoe_is_refused_with_the_reason():
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    model = JetMoeForCausalLM(JetMoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_key_value_heads=2, kv_channels=16,
+        max_position_embeddings=128, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(UnsupportedModelError, match="JetMoeParallelExperts.*not a gate/up and down pair"):
+        jgptq.quantize_moe(model, CALIB, method="rtn", bits=4, group_size=16, progress=False)
