@@ -25,6 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
+from jgptq_torch.cli import preflight
 from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
                                     paths_for)
 from jgptq.config import PipelineConfig, QuantConfig
@@ -228,6 +229,10 @@ def run_quantize(args) -> int:
     from jgptq_torch.pipeline.weight_checks import check_safetensors_files
 
     check_safetensors_files(model_dir)                      # truncated or garbled files, named, before loading
+    preflight.check_device(args.device)
+    if args.export == "gguf":
+        preflight.check_gguf_model(model_dir, args.trust_remote_code)
+    preflight.check_tokenizer_files(args.tokenizer or model_dir, given=args.tokenizer is not None)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -242,6 +247,7 @@ def run_quantize(args) -> int:
     except Exception as exc:  # transformers raises several kinds here
         raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
                            f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
+    preflight.check_tokenizer(tokenizer, tok_dir)
     all_ids = calib_mod.text_tokens(texts, tokenizer)
     shortfall = calib_mod.window_shortfall(all_ids.numel(), args.seq_len, args.samples, args.calib)
     ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)

@@ -79,7 +79,13 @@ def arch_of(model) -> Arch:
         (biases, routing normalisation, dense layers in a MoE family, rope scaling, ...) that llama.cpp would
         silently compute differently.
     """
-    cfg = model.config
+    return arch_of_config(model.config, type(model).__name__)
+
+
+def arch_of_config(cfg, name: str) -> Arch:
+    """:func:`arch_of` from a transformers config alone (``name``: the model class named in messages), so that a
+    model llama.cpp cannot run faithfully is refused before its weights are loaded."""
+    model = type(name, (), {})()   # named in the messages as the model class would be
     mt = getattr(cfg, "model_type", None)
     if mt not in ARCHITECTURES:
         raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}) has no GGUF exporter; supported "
@@ -93,7 +99,10 @@ def arch_of(model) -> Arch:
         given = bool(getattr(cfg, "norm_topk_prob", True if mt == "mixtral" else False))
         if given != spec.norm_topk:
             _refuse(model, f"norm_topk_prob={given}", f"llama.cpp's {spec.name} graph always uses "
-                    f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
+                    f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently. A model trained with "
+                    f"norm_topk_prob={given} runs faithfully from a compressed-tensors or gptq checkpoint (transformers "
+                    f"and vLLM read the setting); if its config.json is wrong, set norm_topk_prob to "
+                    f"{str(spec.norm_topk).lower()} there")
     if mt in _Q_IS_EMBEDDING and head_dim(cfg) * cfg.num_attention_heads != cfg.hidden_size:
         _refuse(model, f"head_dim {head_dim(cfg)}", f"llama.cpp's {spec.name} needs head_dim x heads == hidden_size")
     if mt in ("qwen3_moe", "qwen2_moe"):

@@ -1,0 +1,93 @@
+"""A new user's first run: what would fail late or obscurely is refused before the model loads, with a message that
+says what is wrong and what to do (device, GGUF routing, tokenizer files, a broken config.json)."""
+
+import json
+import shutil
+
+import pytest
+
+from jgptq_torch.cli.main import main
+from tests.cli.test_cli import CALIB, TINY
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """A tiny 2-layer Qwen3-MoE folder with the demo's byte tokenizer; loading the model fails the test."""
+    import transformers
+
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
+
+    tiny_moe(2, 0, **TINY).save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    return tmp_path
+
+
+def error_of(folder, capsys, *extra, model="model"):
+    args = ["quantize", folder / model, "--calib", CALIB, "--out", folder / "out", "--quiet", "--group-size", 32,
+            *extra]
+    assert main([str(a) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jgptq: error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_cuda_on_a_machine_without_one_is_refused_up_front(folder, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert error_of(folder, capsys, "--device", "cuda") == (
+        f"jgptq: error: --device cuda: torch sees no CUDA device on this machine (torch {torch.__version__}, CUDA "
+        f"none (a CPU-only build)); leave --device out or pass --device cpu to run on the CPU, or install a CUDA build "
+        f"of torch where there is a GPU")
+    assert error_of(folder, capsys, "--device", "gpu0").startswith("jgptq: error: --device gpu0: not a torch device")
+
+
+def test_gguf_routing_llama_cpp_cannot_compute_is_refused_from_config_json(folder, capsys):
+    cfg_path = folder / "model" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(cfg, norm_topk_prob=False)))
+    assert error_of(folder, capsys, "--export", "gguf", "--format", "q8_0") == (
+        f"jgptq: error: {cfg_path}: Qwen3MoeForCausalLM: norm_topk_prob=False: llama.cpp's qwen3moe graph always "
+        f"uses norm_topk_prob=True; the GGUF would route differently. A model trained with norm_topk_prob=False runs "
+        f"faithfully from a compressed-tensors or gptq checkpoint (transformers and vLLM read the setting); if its "
+        f"config.json is wrong, set norm_topk_prob to true there")
+
+
+def test_an_architecture_without_a_gguf_exporter_is_refused_from_config_json(folder, capsys):
+    cfg_path = folder / "model" / "config.json"
+    cfg_path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
+                                    "n_layer": 1, "n_head": 4, "vocab_size": 256}))
+    got = error_of(folder, capsys, "--export", "gguf", "--format", "q8_0")
+    assert got.startswith(f"jgptq: error: {cfg_path}: GPT2LMHeadModel (model_type 'gpt2') has no GGUF exporter; "
+                          f"supported model types: ["), got
+
+
+def test_missing_tokenizer_files_are_named(folder, capsys):
+    for name in ("tokenizer.json",):
+        (folder / "model" / name).unlink()
+    assert error_of(folder, capsys) == (
+        f"jgptq: error: no tokenizer files in {str(folder / 'model')!r} (it has tokenizer_config.json): a tokenizer "
+        f"needs one of tokenizer.json, tokenizer.model, spiece.model, sentencepiece.bpe.model, vocab.json + "
+        f"merges.txt, vocab.txt, tiktoken.model; copy them from the model's source, or pass --tokenizer DIR")
+    other = folder / "tok"
+    other.mkdir()
+    assert error_of(folder, capsys, "--tokenizer", other).endswith("tiktoken.model; pass a folder that has them")
+    shutil.copy(folder / "model" / "tokenizer_config.json", other)
+
+
+def test_a_truncated_config_json_is_named_with_where_it_breaks(folder, capsys):
+    cfg_path = folder / "model" / "config.json"
+    text = cfg_path.read_text()
+    start = text.index('"model_type"')   # the file ends inside this string
+    cut = start + 5
+    cfg_path.write_text(text[:cut])
+    assert error_of(folder, capsys) == (
+        f"jgptq: error: {cfg_path} is not valid JSON: Unterminated string starting at line "
+        f"{text[:start].count(chr(10)) + 1}, column {start - text.rfind(chr(10), 0, start)} (character {start} of "
+        f"{cut} bytes) (the file ends before the JSON does: it looks truncated); restore it from the model's source")
