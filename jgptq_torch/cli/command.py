@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 from jgptq_torch.cli import preflight
+from jgptq_torch.cli.lock import output_lock, remove_leftovers
 from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
                                     paths_for)
 from jgptq.config import PipelineConfig, QuantConfig
@@ -210,7 +211,14 @@ def run(args) -> int:
 
 
 def run_quantize(args) -> int:
-    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`)."""
+    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`): one run per
+    output (:mod:`jgptq_torch.cli.lock`), its lock released however it ends."""
+    with contextlib.ExitStack() as held:
+        return _quantize(args, held)
+
+
+def _quantize(args, held: contextlib.ExitStack) -> int:
+    """:func:`run_quantize` with ``held``, where the output's lock goes once the options are checked."""
     t_start = time.perf_counter()
     model_dir = check_model_dir(args.model_dir)
     files = paths_for(args.out)
@@ -220,6 +228,13 @@ def run_quantize(args) -> int:
     if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
+    held.enter_context(output_lock(files["out"], args.quiet))   # a second run on this output stops here
+    if args.export == "gguf":
+        from jgptq_torch.export.gguf.export import output_path
+
+        remove_leftovers([files["out"], output_path(files["out"])], args.quiet)
+    else:
+        remove_leftovers([files["out"]], args.quiet)
     max_shard = parse_size(args.max_shard_size)
 
     from jgptq_torch.pipeline import calib as calib_mod

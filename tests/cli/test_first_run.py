@@ -91,3 +91,51 @@ def test_a_truncated_config_json_is_named_with_where_it_breaks(folder, capsys):
         f"jgptq: error: {cfg_path} is not valid JSON: Unterminated string starting at line "
         f"{text[:start].count(chr(10)) + 1}, column {start - text.rfind(chr(10), 0, start)} (character {start} of "
         f"{cut} bytes) (the file ends before the JSON does: it looks truncated); restore it from the model's source")
+
+
+def run_of(folder, capsys, *extra, out="out"):
+    args = ["quantize", folder / "model", "--calib", CALIB, "--out", folder / out, "--group-size", 32, *extra]
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def test_a_second_run_on_the_same_output_is_refused_naming_the_lock_and_the_process(folder, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    lock = folder / "out.jgptq-lock"
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({"pid": running.pid, "host": socket.gethostname(), "started": "2026-01-02 03:04:05"}))
+        code, err = run_of(folder, capsys, "--quiet")
+    finally:
+        running.kill()
+        running.wait()
+    assert code == 1 and err == (
+        f"jgptq: error: another jgptq run is writing {str(folder / 'out')!r}: process {running.pid} on "
+        f"{socket.gethostname()}, started 2026-01-02 03:04:05 holds the lock {lock}; wait for it to finish, or choose "
+        f"another --out (if no such run exists, remove the lock file)\n")
+    assert lock.exists()                                   # the other run's lock is left alone
+
+
+def test_a_stale_lock_is_taken_over_and_released_and_killed_exports_leftovers_removed(folder, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock = folder / "out.gguf.jgptq-lock"
+    lock.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "2026-01-02 03:04:05"}))
+    (folder / ".out.gguf.k2j4h1.tmp").write_bytes(b"\0" * 1000)      # a GGUF file being written when killed
+    (folder / ".out.gguf.header.x8f").write_bytes(b"\0" * 24)
+    (folder / ".out.gguf.notes").write_text("not ours")
+    code, err = run_of(folder, capsys, "--export", "gguf", "--format", "q8_0", "--device", "gpu0", out="out.gguf")
+    lines = err.splitlines()
+    assert code == 1 and lines[-1].startswith("jgptq: error: --device gpu0: not a torch device")
+    assert f"jgptq: taking over the lock {lock} of process {gone.pid}, which is gone" in lines
+    assert (f"jgptq: removed what a killed run left: {folder / '.out.gguf.header.x8f'}, "
+            f"{folder / '.out.gguf.k2j4h1.tmp'} (1,024 bytes)") in lines
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".out") or "lock" in p.name) == [
+        ".out.gguf.notes"]                                 # the lock released at the end, the stranger kept
