@@ -288,13 +288,6 @@ def _quantize(args, held: contextlib.ExitStack) -> int:
     from jgptq_torch.pipeline.layerwise import quantize_moe
     from jgptq_torch.write_errors import WriteError, failure_message, writing
 
-    state = files["work"] / "state.json"
-    if state.exists() and args.resume:
-        import json
-
-        done = json.loads(state.read_text()).get("layers_done")
-        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
-            args.quiet)
     try:
         with warnings_once() as shown:
             if shortfall:

@@ -139,3 +139,32 @@ def test_a_stale_lock_is_taken_over_and_released_and_killed_exports_leftovers_re
             f"{folder / '.out.gguf.k2j4h1.tmp'} (1,024 bytes)") in lines
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".out") or "lock" in p.name) == [
         ".out.gguf.notes"]                                 # the lock released at the end, the stranger kept
+
+
+def test_an_architecture_without_linear_layers_is_named_as_such():
+    import torch
+    import transformers
+
+    import jgptq
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64,
+                                                                n_positions=64, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError) as err:
+        jgptq.quantize_moe(gpt2.eval(), torch.arange(32)[None], progress=False)
+    assert str(err.value) == (
+        "GPT2LMHeadModel: this architecture has no torch.nn.Linear or transformers experts weights in its decoder "
+        "layers (transformer.h) (its matrices are in Conv1D modules); jgptq quantizes those only, so there is "
+        "nothing to quantize")
+
+
+def test_a_resume_refused_for_changed_settings_never_says_it_is_continuing(tmp_path, capsys):
+    from jgptq_torch.cli.demo import byte_tokenizer, tiny_moe
+
+    tiny_moe(2, 0, **TINY).save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    work = tmp_path / "out.jgptq-work"
+    work.mkdir()
+    (work / "state.json").write_text(json.dumps({"version": 0, "fingerprint": {}, "layers_done": 1}))
+    code, err = run_of(tmp_path, capsys, "--samples", 2, "--seq-len", 32)
+    assert code == 1 and "continuing" not in err, err
+    assert err.splitlines()[-1].startswith(f"jgptq: error: {work} holds the state of another run ("), err
