@@ -55,12 +55,20 @@ def _stale(record) -> bool:
             and isinstance(record.get("pid"), int) and not _alive(record["pid"]))
 
 
+def _unwritable(out, path: Path, exc: OSError):
+    raise CommandError(f"--out {str(out)!r}: cannot write in {str(path.parent)!r} ({exc.strerror or exc}); choose an "
+                       f"--out in a writable folder") from None
+
+
 @contextlib.contextmanager
 def output_lock(out, quiet: bool = False):
     """Holds ``<OUT>.jgptq-lock`` for the body; refuses (:class:`CommandError`) when a live run holds it, and takes
     over the lock of a process that is gone (saying so). Creates the parent folder of ``out`` if missing."""
     path = lock_path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)   # the output's folder: the export would need it anyway
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)   # the output's folder: the export would need it anyway
+    except OSError as exc:
+        _unwritable(out, path, exc)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(3):
         try:
@@ -77,6 +85,8 @@ def output_lock(out, quiet: bool = False):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             continue
+        except OSError as exc:   # a read-only folder or file system: said now, not after the model has loaded
+            _unwritable(out, path, exc)
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
         break

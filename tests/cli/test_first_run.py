@@ -168,3 +168,43 @@ def test_a_resume_refused_for_changed_settings_never_says_it_is_continuing(tmp_p
     code, err = run_of(tmp_path, capsys, "--samples", 2, "--seq-len", 32)
     assert code == 1 and "continuing" not in err, err
     assert err.splitlines()[-1].startswith(f"jgptq: error: {work} holds the state of another run ("), err
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_loading(folder, capsys, monkeypatch):
+    import errno
+    import os
+
+    real = os.open
+
+    def read_only(path, *args, **kwargs):   # the folder of --out on a read-only file system (root ignores modes)
+        if str(path).startswith(str(folder / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *args, **kwargs)
+
+    (folder / "ro").mkdir()
+    monkeypatch.setattr(os, "open", read_only)
+    args = ["quantize", folder / "model", "--calib", CALIB, "--out", folder / "ro" / "out", "--quiet"]
+    assert main([str(a) for a in args]) == 1
+    assert capsys.readouterr().err == (
+        f"jgptq: error: --out {str(folder / 'ro' / 'out')!r}: cannot write in {str(folder / 'ro')!r} (Read-only file "
+        f"system); choose an --out in a writable folder\n")
+
+
+def test_eval_of_a_gptq_folder_without_its_loader_is_refused_before_the_float_model_runs(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from transformers import utils
+
+    from jgptq_torch.cli import evaluate
+
+    quantized = tmp_path / "q"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "gptq", "bits": 4}}))
+    monkeypatch.setattr(utils, "is_optimum_available", lambda: False)
+    monkeypatch.setattr(utils, "is_gptqmodel_available", lambda: True)
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: pytest.fail("the evaluation started"))
+    assert main(["eval", str(quantized), "--float", str(tmp_path / "float"), "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"jgptq: error: {str(quantized)!r} is a GPTQ v1 checkpoint, which transformers loads through optimum and "
+        f"gptqmodel; optimum is not installed here (pip install optimum); compressed-tensors exports (--export "
+        f"compressed-tensors) need neither\n")
