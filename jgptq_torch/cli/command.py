@@ -172,7 +172,7 @@ def layer_loss_chart(report, path, title: str) -> None:
 
     from jgptq.plot import line_chart
 
-    layers = sorted({r.layer for r in report.records})
+    layers = sorted({r.layer for r in report.records if r.layer >= 0})   # -1: embeddings and head, no GPTQ loss
     mean, top = [], []
     for layer in layers:
         losses = [r.loss for r in report.records if r.layer == layer and np.isfinite(r.loss)]
@@ -190,10 +190,13 @@ def bits_chart(report, path, title: str) -> None:
     """Writes an SVG chart of a target_bpw run's bits per weight per layer, one line per tensor group."""
     from jgptq.plot import line_chart
 
+    import math
+
     series, layers = report.bits_by_layer()
-    if series:
+    if series:   # every bits-per-weight value a group took is labelled (formats sit at uneven values: 4.5, 5.5, 8.5)
+        chosen = sorted({round(v, 4) for vals in series.values() for v in vals if math.isfinite(v)})
         Path(path).write_text(line_chart(series, x=layers, title=title, xlabel="decoder layer",
-                                         ylabel="bits per weight"))
+                                         ylabel="bits per weight", y_ticks=chosen if len(chosen) <= 12 else None))
 
 
 def run(args) -> int:
@@ -252,8 +255,7 @@ def _quantize(args, held: contextlib.ExitStack) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if args.quiet:
-        hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()   # jgptq says what loads; transformers' bars would fill the log
 
     tok_dir = args.tokenizer or model_dir
     try:

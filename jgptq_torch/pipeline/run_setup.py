@@ -95,6 +95,10 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix) -> Run:
             warnings.warn(note, stacklevel=3)
             report.warnings.append(note)
             run.said.add(note)
+    for note in plan.notes + plan.unmatched:   # the plan's fallbacks and unused rules: known now, said now
+        if note not in run.said:
+            warnings.warn(note, stacklevel=3)
+            run.said.add(note)
     return run
 
 
