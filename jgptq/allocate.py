@@ -102,7 +102,10 @@ def tensor_bits(fmt: str, rows: int, cols: int, count: int, quant) -> int:
 def candidates(config, cols: int) -> tuple:
     """The candidate formats of a matrix of ``cols`` input columns in a run under ``config``
     (:class:`jgptq.config.PipelineConfig`): ``config.target_formats`` or the default family of the run's kind,
-    less the formats whose block does not divide ``cols`` (and, without importance, those llama.cpp refuses)."""
+    less the formats whose block does not divide ``cols`` (and, without importance, those llama.cpp refuses). In
+    the default GGML family a format whose block does not divide ``cols`` gives way to llama.cpp's fallback type
+    (``iq4_nl``, ``q4_0``, ``q5_0``, ``q5_1``, ``q8_0``: 32-wide blocks), so that widths of 32 multiples that are
+    not 256 multiples still get a range of sizes."""
     from jgptq import mixes
     from jgptq.ggml.registry import get_format
 
@@ -113,7 +116,10 @@ def candidates(config, cols: int) -> tuple:
     out = []
     for name in config.target_formats or GGML_FAMILY:
         fmt = get_format(name)
-        if fmt.encode is None or cols % fmt.block_size:
+        if not config.target_formats and cols % fmt.block_size:   # the default family: llama.cpp's fallback
+            name = mixes.LLAMA_FALLBACK.get(name, name)
+            fmt = get_format(name)
+        if fmt.encode is None or cols % fmt.block_size or name in out:
             continue
         if config.importance == "none" and (fmt.requires_importance or name in mixes.NEEDS_IMPORTANCE):
             continue

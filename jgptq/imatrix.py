@@ -21,6 +21,8 @@ Names are whatever the caller uses: the layerwise pipeline keys its statistic by
 
 from __future__ import annotations
 
+from jgptq.surface import option
+
 import os
 import struct
 from typing import Mapping, NamedTuple
@@ -87,7 +89,7 @@ def write_imatrix(path, entries: Mapping[str, ImatrixEntry], *, datasets=(), chu
 
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"imatrix file {path!r} already exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"imatrix file {path!r} already exists; pass {option('overwrite')} to replace it")
     if not entries:
         raise ValueError("write_imatrix: no entries to write")
     if isinstance(datasets, str):

@@ -20,6 +20,7 @@ from typing import Iterable, NamedTuple, Optional
 
 from jgptq import mixes
 from jgptq.bucket import MatrixPlan
+from jgptq.surface import on_command_line, option
 
 
 class Rule(NamedTuple):
@@ -130,10 +131,11 @@ def _fit_block(config, target: Target, fmt: str) -> tuple:
         raise ValueError(
             f"{target.param}: {target.cols} input columns are not a multiple of the {fmt} block size {block}"
             + ("" if fallback == "error" else f", nor of the fallback {fallback}'s")
-            + "; choose another format for it with formats=[(regex, format)], a fallback with "
-              "block_fallback='llama.cpp' or a format name, or leave it unquantized with exclude=[...]")
+            + f"; choose another format for it with {option('formats')}, a fallback with "
+              f"{option('block_fallback')}, or leave it unquantized with {option('exclude')}")
+    named = option("block_fallback", config.block_fallback) if on_command_line() else "block_fallback"
     return fallback, (f"{target.param}: {target.cols} input columns are not a multiple of the {fmt} block size "
-                      f"{block}; {fallback} used instead (block_fallback)")
+                      f"{block}; {fallback} used instead ({named})")
 
 
 def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_gqa: int = 1) -> Plan:

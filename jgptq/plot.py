@@ -83,8 +83,20 @@ def _label(v: float, log: bool) -> str:
     return f"1e{int(v)}" if log else f"{v:.3g}"
 
 
+CHAR_WIDTH = 7.5   # an upper bound of the mean width of a 12 px sans-serif character, for the legend's room
+
+
+def legend_frame(names) -> Frame:
+    """A :class:`Frame` whose right margin holds the longest legend name and whose height holds every legend row
+    (the default frame when they fit in it)."""
+    longest = max((len(str(n)) for n in names), default=0)
+    right = max(RIGHT, 56 + math.ceil(CHAR_WIDTH * longest))
+    height = max(HEIGHT, TOP + 14 + 20 * len(names) + 8)
+    return Frame(width=WIDTH - RIGHT + right, height=height, right=right)
+
+
 def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str = "", log_y: bool = False,
-               x: list | None = None) -> str:
+               x: list | None = None, y_ticks: list | None = None) -> str:
     """An SVG document with one line per series.
 
     Args:
@@ -92,6 +104,7 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
       title, xlabel, ylabel: text.
       log_y: logarithmic y axis.
       x: x values (default 0, 1, 2, ...).
+      y_ticks: the y values to label (default: evenly spaced round values); the axis spans them too.
     Returns:
       The SVG text.
     Raises:
@@ -112,6 +125,8 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
     values = [ty(v) for vals in series.values() for v in vals if ok(v)]
     if not values:
         raise ValueError("line_chart: no finite value to draw")
+    if y_ticks:
+        values += [ty(v) for v in y_ticks if ok(v)]
     lo, hi = min(values), max(values)
     if log_y:
         lo, hi = math.floor(lo), math.ceil(hi) if math.ceil(hi) > math.floor(lo) else math.floor(lo) + 1
@@ -120,7 +135,7 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     pad = 0.04 * (x1 - x0)
     x0, x1 = x0 - pad, x1 + pad
-    frame = Frame()
+    frame = legend_frame(list(series))
     pw, ph = frame.pw, frame.ph
 
     def px(v):
@@ -130,11 +145,13 @@ def line_chart(series: dict, *, title: str = "", xlabel: str = "", ylabel: str =
         return TOP + ph - (v - lo) / (hi - lo) * ph
 
     out = frame.head(title)
-    for t in _ticks(lo, hi, log_y):
+    ticks = _ticks(lo, hi, log_y) if not y_ticks else sorted(ty(v) for v in y_ticks if ok(v))
+    for t in ticks:
         if lo - 1e-9 <= t <= hi + 1e-9:
             y = py(t)
             out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + pw}" y2="{y:.1f}" stroke="#ddd"/>')
-            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_label(t, log_y)}</text>')
+            label = _label(t, log_y) if not y_ticks else f"{10 ** t if log_y else t:.3g}"
+            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
     step = max(1, math.ceil(len(xs) / 12))
     for v in xs[::step]:
         out.append(f'<text x="{px(v):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{v}</text>')

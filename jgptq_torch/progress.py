@@ -45,16 +45,18 @@ class LayerProgress:
       n: the number of layers.
       enabled: False shows nothing.
       desc: the bar's title and the lines' prefix.
+      eta: the lines also say about how long the layers left take, at the mean time of the layers so far.
     """
 
-    def __init__(self, start: int, n: int, *, enabled: bool = True, desc: str = "jgptq layers"):
-        self.start, self.n, self.enabled, self.desc = start, n, enabled, desc
+    def __init__(self, start: int, n: int, *, enabled: bool = True, desc: str = "jgptq layers", eta: bool = False):
+        self.start, self.n, self.enabled, self.desc, self.eta = start, n, enabled, desc, eta
         self.layer = start
         self._bar = None
         if enabled and tqdm is not None and on_terminal():
             self._bar = tqdm(total=n, initial=start, desc=desc)
 
     def __iter__(self):
+        begun = time.perf_counter()
         try:
             for i in range(self.start, self.n):
                 self.layer, t0 = i, time.perf_counter()
@@ -62,7 +64,10 @@ class LayerProgress:
                 if self._bar is not None:
                     self._bar.update(1)
                 elif self.enabled:
-                    print(f"{self.desc}: {i + 1}/{self.n} (layer {i} in {time.perf_counter() - t0:.1f} s)",
+                    now = time.perf_counter()
+                    left = (now - begun) / (i + 1 - self.start) * (self.n - i - 1)
+                    tail = f", about {left:.0f} s left" if self.eta and i + 1 < self.n else ""
+                    print(f"{self.desc}: {i + 1}/{self.n} (layer {i} in {now - t0:.1f} s{tail})",
                           file=sys.stderr, flush=True)
         finally:
             if self._bar is not None:

@@ -130,15 +130,17 @@ class Report:
         by_layer: dict = {}
         for r in self.records:
             by_layer.setdefault(r.layer, []).append(r)
-        for layer in sorted(by_layer):
+        for layer in sorted(by_layer, key=lambda k: (k < 0, k)):   # embeddings and head (-1) last
             recs = by_layer[layer]
             losses = [r.loss for r in recs if np.isfinite(r.loss)]
-            secs = sum(self.timings.get(layer, {}).values())
-            rows.append(f"{layer:>5} {len(recs):>8} {sum(r.method == 'gptq' for r in recs):>5} "
+            secs = sum(self.timings.get(layer, {}).values()) if layer >= 0 else 0.0
+            mean, top = (f"{np.mean(losses):>11.4g}", f"{max(losses):>11.4g}") if losses else (f"{'-':>11}",) * 2
+            rows.append(f"{layer if layer >= 0 else 'edges':>5} {len(recs):>8} "
+                        f"{sum(r.method == 'gptq' for r in recs):>5} "
                         f"{sum(r.method == 'rtn' for r in recs):>4} {sum(r.fallback for r in recs):>8} "
-                        f"{sum(r.dead_columns for r in recs):>5} "
-                        f"{(np.mean(losses) if losses else float('nan')):>11.4g} "
-                        f"{(max(losses) if losses else float('nan')):>11.4g} {secs:>8.2f}")
+                        f"{sum(r.dead_columns for r in recs):>5} {mean} {top} {secs:>8.2f}")
+        if -1 in by_layer:
+            rows.append("edges: the token embeddings and output head, encoded without calibration (no GPTQ loss)")
         out = ["jgptq report" + (f" for {self.model}" if self.model else "")
                + f" ({self.calibration_tokens} calibration tokens)", *rows]
         formats: dict = {}

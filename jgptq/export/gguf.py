@@ -26,6 +26,8 @@ Example::
 
 from __future__ import annotations
 
+from jgptq.surface import option
+
 import dataclasses
 import os
 import tempfile
@@ -228,7 +230,7 @@ class GGUFStream:
                  overwrite: bool = False, alignment: int | None = None, verify: bool = True):
         self.path = Path(os.fspath(path))
         if self.path.exists() and not overwrite:
-            raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
+            raise FileExistsError(f"{self.path} exists; pass {option('overwrite')} to replace it")
         if self.path.exists() and self.path.is_dir():
             raise IsADirectoryError(f"{self.path} is a folder, not a GGUF file path")
         self.arch, self.verify = arch, verify

@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+from jgptq.surface import option
+
 import json
 import os
 import shutil
@@ -37,8 +39,8 @@ def check_output_dir(out_dir, overwrite: bool) -> Path:
         if not out.is_dir():
             raise FileExistsError(f"output path {str(out)!r} exists and is not a folder")
         if any(out.iterdir()) and not overwrite:
-            raise FileExistsError(f"output folder {str(out)!r} exists and is not empty; pass overwrite=True to "
-                                  f"replace it (it is replaced whole, only once the new checkpoint is complete)")
+            raise FileExistsError(f"output folder {str(out)!r} exists and is not empty; pass "
+                                  f"{option('overwrite')} to replace it (it is replaced whole, only once the new checkpoint is complete)")
     return out
 
 

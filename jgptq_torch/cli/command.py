@@ -25,6 +25,8 @@ import time
 import warnings
 from pathlib import Path
 
+from jgptq_torch.cli import preflight
+from jgptq_torch.cli.lock import output_lock, remove_leftovers
 from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
                                     paths_for)
 from jgptq.config import PipelineConfig, QuantConfig
@@ -170,7 +172,7 @@ def layer_loss_chart(report, path, title: str) -> None:
 
     from jgptq.plot import line_chart
 
-    layers = sorted({r.layer for r in report.records})
+    layers = sorted({r.layer for r in report.records if r.layer >= 0})   # -1: embeddings and head, no GPTQ loss
     mean, top = [], []
     for layer in layers:
         losses = [r.loss for r in report.records if r.layer == layer and np.isfinite(r.loss)]
@@ -188,10 +190,13 @@ def bits_chart(report, path, title: str) -> None:
     """Writes an SVG chart of a target_bpw run's bits per weight per layer, one line per tensor group."""
     from jgptq.plot import line_chart
 
+    import math
+
     series, layers = report.bits_by_layer()
-    if series:
+    if series:   # every bits-per-weight value a group took is labelled (formats sit at uneven values: 4.5, 5.5, 8.5)
+        chosen = sorted({round(v, 4) for vals in series.values() for v in vals if math.isfinite(v)})
         Path(path).write_text(line_chart(series, x=layers, title=title, xlabel="decoder layer",
-                                         ylabel="bits per weight"))
+                                         ylabel="bits per weight", y_ticks=chosen if len(chosen) <= 12 else None))
 
 
 def run(args) -> int:
@@ -209,7 +214,14 @@ def run(args) -> int:
 
 
 def run_quantize(args) -> int:
-    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`)."""
+    """The ``jgptq quantize`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`): one run per
+    output (:mod:`jgptq_torch.cli.lock`), its lock released however it ends."""
+    with contextlib.ExitStack() as held:
+        return _quantize(args, held)
+
+
+def _quantize(args, held: contextlib.ExitStack) -> int:
+    """:func:`run_quantize` with ``held``, where the output's lock goes once the options are checked."""
     t_start = time.perf_counter()
     model_dir = check_model_dir(args.model_dir)
     files = paths_for(args.out)
@@ -219,6 +231,13 @@ def run_quantize(args) -> int:
     if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
         cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
     check_output(files["out"], args.overwrite)
+    held.enter_context(output_lock(files["out"], args.quiet))   # a second run on this output stops here
+    if args.export == "gguf":
+        from jgptq_torch.export.gguf.export import output_path
+
+        remove_leftovers([files["out"], output_path(files["out"])], args.quiet)
+    else:
+        remove_leftovers([files["out"]], args.quiet)
     max_shard = parse_size(args.max_shard_size)
     mode = load_mode(args, cfg)
 
@@ -229,12 +248,15 @@ def run_quantize(args) -> int:
     from jgptq_torch.pipeline.weight_checks import check_safetensors_files
 
     check_safetensors_files(model_dir)                      # truncated or garbled files, named, before loading
+    preflight.check_device(args.device)
+    if args.export == "gguf":
+        preflight.check_gguf_model(model_dir, args.trust_remote_code)
+    preflight.check_tokenizer_files(args.tokenizer or model_dir, given=args.tokenizer is not None)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if args.quiet:
-        hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()   # jgptq says what loads; transformers' bars would fill the log
 
     tok_dir = args.tokenizer or model_dir
     try:
@@ -243,6 +265,7 @@ def run_quantize(args) -> int:
     except Exception as exc:  # transformers raises several kinds here
         raise CommandError(f"no tokenizer could be loaded from {str(tok_dir)!r} ({type(exc).__name__}: {exc}); "
                            f"calibration text needs the model's tokenizer (or pass --tokenizer DIR)") from exc
+    preflight.check_tokenizer(tokenizer, tok_dir)
     all_ids = calib_mod.text_tokens(texts, tokenizer)
     shortfall = calib_mod.window_shortfall(all_ids.numel(), args.seq_len, args.samples, args.calib)
     ids = calib_mod.cut_windows(all_ids, args.seq_len, args.samples)
@@ -270,7 +293,6 @@ def run_quantize(args) -> int:
     from jgptq_torch.pipeline.layerwise import quantize_moe
     from jgptq_torch.write_errors import WriteError, failure_message, writing
 
-    say_resumed(args, files)
     try:
         with warnings_once() as shown:
             if shortfall:
@@ -294,17 +316,6 @@ def run_quantize(args) -> int:
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on
         raise CommandError(failure_message(exc, files["work"])) from exc
     return _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start)
-
-
-def say_resumed(args, files) -> None:
-    """Says that a run continues from the state in its work folder, when it does."""
-    state = files["work"] / "state.json"
-    if state.exists() and args.resume:
-        import json
-
-        done = json.loads(state.read_text()).get("layers_done")
-        log(f"continuing the run whose state is in {files['work']} ({done} layers done; --no-resume starts over)",
-            args.quiet)
 
 
 def load_mode(args, cfg) -> str:
@@ -331,7 +342,6 @@ def _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_s
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     log(f"streaming {model_dir} ({dtype}) layer by layer; writing {args.export} to {files['out']} as the layers "
         f"finish", args.quiet)
-    say_resumed(args, files)
     with warnings_once() as shown:
         if shortfall:
             warnings.warn(shortfall, stacklevel=1)

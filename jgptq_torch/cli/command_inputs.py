@@ -50,10 +50,33 @@ def check_model_dir(model_dir) -> Path:
         raise CommandError(f"{str(p)!r} is not a directory (expected a local transformers model folder)")
     if not (p / "config.json").is_file():
         raise CommandError(f"{str(p)!r} has no config.json; it is not a transformers model folder")
+    read_config(p)
     if not any(p.glob("*.safetensors")):
         raise CommandError(f"{str(p)!r} holds no .safetensors weights; jgptq loads safetensors only (convert "
                            f"the checkpoint first, e.g. load it and call save_pretrained)")
     return p
+
+
+def read_config(model_dir: Path) -> dict:
+    """The JSON object of ``model_dir``/config.json; refuses a file that is not one, naming it and where it breaks."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); restore it from the "
+                           f"model's source") from None
+    except json.JSONDecodeError as exc:
+        size = path.stat().st_size
+        ends = exc.msg.startswith("Unterminated") or exc.pos >= len(exc.doc.rstrip())
+        cut = " (the file ends before the JSON does: it looks truncated)" if ends else ""
+        where = f"line {exc.lineno}, column {exc.colno} (character {exc.pos} of {size} bytes)"
+        raise CommandError(f"{path} is not valid JSON: {exc.msg.removesuffix(' at')} at {where}{cut}; restore it "
+                           f"from the model's source") from None
+    if not isinstance(cfg, dict):
+        raise CommandError(f"{path} holds a JSON {type(cfg).__name__}, not the object of a model's configuration")
+    return cfg
 
 
 def model_dtype(model_dir: Path, requested: str) -> str:

@@ -295,6 +295,33 @@ def evaluate(quantized, reference, text=None, *, tokens=None, n_ctx: int = DEFAU
                       text=source, n_ctx=int(n_ctx), windows=int(len(ids)), bos_token_id=bos, notes=notes)
 
 
+def check_gptq_loader(quantized) -> None:
+    """Refuses, before the float model runs, a GPTQ v1 folder transformers cannot load here: it loads them through
+    optimum and gptqmodel (:mod:`transformers.utils` says whether they are installed)."""
+    import json
+
+    from jgptq_torch.cli.command_inputs import CommandError
+
+    cfg = Path(quantized) / "config.json"
+    if not cfg.is_file():
+        return
+    try:
+        method = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("quant_method")
+    except (ValueError, AttributeError):
+        return   # load_model names a broken config.json
+    if method != "gptq":
+        return
+    from transformers import utils
+
+    missing = [name for name, there in (("optimum", utils.is_optimum_available()),
+                                        ("gptqmodel", utils.is_gptqmodel_available())) if not there]
+    if missing:
+        raise CommandError(f"{str(quantized)!r} is a GPTQ v1 checkpoint, which transformers loads through optimum and "
+                           f"gptqmodel; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+                           f"here (pip install {' '.join(missing)}); compressed-tensors exports (--export "
+                           f"compressed-tensors) need neither")
+
+
 def run_eval(args) -> int:
     """The ``jgptq eval`` command (``args``: the parsed options of :mod:`jgptq_torch.cli.main`): prints the table, and writes
     the JSON of ``--json``."""
@@ -308,6 +335,7 @@ def run_eval(args) -> int:
             raise CommandError(f"{option} {value}: must be at least 1")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise CommandError(f"--json {args.json}: the folder {str(Path(args.json).parent)!r} does not exist")
+    check_gptq_loader(args.quantized)   # before the float model runs
     if args.quiet:
         try:
             from transformers.utils import logging as hf_logging

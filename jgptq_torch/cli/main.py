@@ -277,8 +277,10 @@ def main(argv=None) -> int:
         return 2
     try:
         from jgptq_torch.cli.command import run
+        from jgptq.surface import command_line
 
-        return run(args)
+        with command_line():   # messages name the flags (--overwrite), not the Python arguments
+            return run(args)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] in ("torch", "transformers", "tokenizers"):
             print(f"jgptq: error: 'jgptq {args.command}' runs transformers models and needs {exc.name}; install "

@@ -6,7 +6,8 @@ Accepted by :func:`batches` (and so by :func:`jgptq.quantize_moe`):
 - a list of such tensors (or of lists of ints); sequences of different lengths are right-padded;
 - a dict with ``input_ids`` and optionally ``attention_mask`` (tensors or nested lists), or a list of such dicts
   (what a tokenizer returns);
-- text: a str or a list of str, with ``tokenizer=`` (any callable returning ``{"input_ids": ...}``).
+- text: a str or a list of str, with ``tokenizer=`` (any callable returning ``{"input_ids": ...}``); with
+  ``max_length``, each text is cut into consecutive windows of that many tokens (never truncated).
 
 Padding is marked with attention mask 0 and never reaches a Hessian. A calibration set without a single real
 token raises ``ValueError``.
@@ -15,6 +16,7 @@ token raises ``ValueError``.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -46,20 +48,37 @@ def _as_rows(ids, mask, what: str) -> list:
 
 
 def _tokenize(texts, tokenizer, max_length):
+    """Each text tokenized whole; with ``max_length``, a text longer than that is cut into consecutive windows of
+    ``max_length`` tokens (the last one shorter), as the command line cuts its text, so no token is dropped."""
     if tokenizer is None:
         raise ValueError("calibration text needs a tokenizer (pass tokenizer=...)")
     rows = []
     for k, text in enumerate(texts):
         check_text(text, f"calibration text {k}" if len(texts) > 1 else "the calibration text")
-        kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
-        enc = tokenizer(text, **kwargs)
+        enc = tokenizer(text)
         ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
-        rows.extend(_as_rows(ids, enc.get("attention_mask") if hasattr(enc, "get") else None, "tokenized text"))
+        for i, m in _as_rows(ids, enc.get("attention_mask") if hasattr(enc, "get") else None, "tokenized text"):
+            step = max_length or max(i.shape[0], 1)
+            rows.extend((i[a:a + step], m[a:a + step]) for a in range(0, max(i.shape[0], 1), step))
     return rows
 
 
 def sequences(calib, tokenizer=None, max_length=None) -> list:
-    """Every calibration sequence as (ids (S,), mask (S,)) int64 pairs, truncated to ``max_length``."""
+    """Every calibration sequence as (ids (S,), mask (S,)) int64 pairs of at most ``max_length`` tokens: text is
+    cut into windows of ``max_length`` tokens; token ids longer than that are cut to it, with a warning."""
+    rows = _rows(calib, tokenizer, max_length)
+    if max_length is not None:
+        cut = sum(max(i.shape[0] - max_length, 0) for i, _ in rows)
+        if cut:   # token ids given as sequences: their length is the caller's choice, so cut, but not silently
+            long = sum(i.shape[0] > max_length for i, _ in rows)
+            warnings.warn(f"{long} calibration sequence{'s' if long > 1 else ''} longer than max_length="
+                          f"{max_length} cut to it ({cut:,} tokens dropped); pass text with a tokenizer to have "
+                          f"it cut into windows of max_length, or cut the ids yourself", stacklevel=3)
+        rows = [(i[:max_length], m[:max_length]) for i, m in rows]
+    return rows
+
+
+def _rows(calib, tokenizer, max_length) -> list:
     if isinstance(calib, str):
         calib = [calib]
     if isinstance(calib, torch.Tensor):
@@ -82,12 +101,10 @@ def sequences(calib, tokenizer=None, max_length=None) -> list:
         elif all(isinstance(c, int) for c in calib):
             rows = _as_rows(list(calib), None, "calibration ids")
         else:
-            rows = [r for c in calib for r in sequences(c, tokenizer, max_length)]
+            rows = [r for c in calib for r in _rows(c, tokenizer, max_length)]
     else:
         raise TypeError(f"unsupported calibration input of type {type(calib).__name__}: pass token ids, a list of "
                         f"them, a dict with input_ids/attention_mask, or text with a tokenizer")
-    if max_length is not None:
-        rows = [(i[:max_length], m[:max_length]) for i, m in rows]
     return rows
 
 

@@ -60,6 +60,7 @@ from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.report import ModuleRecord, QuantizeResult
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
 from jgptq_torch.progress import LayerProgress, stage_bar
+from jgptq.surface import option
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
@@ -127,6 +128,9 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                                                                             model_digest=digest),
                                      resume=resume)
         start = ckpt.open()
+        if start and cfg.progress:   # said once the state is known to match, never before a refusal
+            print(f"jgptq: continuing the run whose state is in {checkpoint_dir} ({start} layers done; "
+                  f"{option('no_resume')} starts over)", file=sys.stderr, flush=True)
         for i in range(start):
             resume_mod.restore_layer(ckpt, i, run.targets[i], run.prefix, run.names, run.result)
     has_experts = any(t.experts for t in run.targets)

@@ -31,6 +31,7 @@ import contextlib
 import json
 import math
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ import torch
 from jgptq_torch.pipeline import capture
 from jgptq_torch.pipeline import importance
 from jgptq_torch import models
+from jgptq_torch.progress import LayerProgress
 from jgptq_torch.pipeline import run_setup
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
@@ -49,6 +51,7 @@ from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
 from jgptq import statistics
 from jgptq.bucket import MatrixPlan
+from jgptq.surface import on_command_line, option
 
 ALLOCATION_FILE = "allocation.json"
 
@@ -85,8 +88,8 @@ def _layout(cfg, prefix: str, layers):
             if not names:
                 offered = ", ".join(cfg.target_formats) or "the default family"
                 raise ValueError(f"{param}: no candidate format of target_bpw ({offered}) fits its {m.cols} input "
-                                 f"columns; give it a format with formats=[(regex, format)] or leave it unquantized "
-                                 f"with exclude=[...]")
+                                 f"columns; give it a format with {option('formats')} or leave it unquantized "
+                                 f"with {option('exclude')}")
             free[param] = (i, group_name(m.name), m, names)
     return free, fixed, weights
 
@@ -123,7 +126,7 @@ def measure(run, free: dict, gains) -> dict:
     placement.prepare()
     hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
     costs: dict = {}
-    for i in range(len(run.layers)):
+    for i in LayerProgress(0, len(run.layers), enabled=cfg.progress, desc="jgptq target_bpw pass", eta=True):
         t0 = time.perf_counter()
         layer = placement.fetch(i)
         target = run.targets[i]
@@ -200,22 +203,53 @@ def reallocate(allocation: dict, target_bpw: float) -> dict:
 
 def _refuse_below(target_bpw, budget: int, weights: int, least: int, cheapest: set, fixed: bool) -> None:
     if least > budget:
-        raise ValueError(f"target_bpw={target_bpw:g} is below the {least / weights:.4g} bits per weight of every "
-                         f"tensor at its cheapest candidate ({', '.join(sorted(cheapest))}"
+        raise ValueError(f"{option('target_bpw', float(target_bpw))} is below the {least / weights:.4g} bits per "
+                         f"weight of every tensor at its cheapest candidate ({', '.join(sorted(cheapest))}"
                          f"{', and the tensors formats/exclude fix' if fixed else ''}); raise it or add cheaper "
-                         f"target_formats")
+                         f"{option('target_formats') if on_command_line() else 'target_formats'}")
+
+
+def reachable(cfg, free: dict, fixed: dict, weights: int) -> tuple:
+    """(least, most) bits of every decoder-layer target (``weights`` of them): each free matrix at its cheapest
+    and at its largest candidate, fixed ones at their size; plus the sets of those cheapest and largest formats."""
+    least = most = sum(b // 8 * 8 for _, b in fixed.values())
+    cheapest, largest = set(), set()
+    for param, (_, _, m, names) in free.items():
+        sizes = {f: alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant) for f in names}
+        small, big = min(sizes, key=sizes.get), max(sizes, key=sizes.get)
+        least, most = least + sizes[small] // 8 * 8, most + sizes[big] // 8 * 8
+        cheapest.add(small)
+        largest.add(big)
+    return least, most, cheapest, largest
 
 
 def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
-    """Refuses a target below every tensor at its cheapest candidate (groups share the candidates of their
-    first member, as the allocation does)."""
-    least, cheapest = sum(b // 8 * 8 for _, b in fixed.values()), set()
-    for param, (_, _, m, names) in free.items():
-        sizes = {f: alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant) for f in names}
-        best = min(sizes, key=sizes.get)
-        least += sizes[best] // 8 * 8
-        cheapest.add(best)
-    _refuse_below(cfg.target_bpw, math.floor(cfg.target_bpw * weights), weights, least, cheapest, bool(fixed))
+    """Refuses a target below every tensor at its cheapest candidate, or above every tensor at its largest one
+    (a run there would measure everything and then write the largest formats); both messages give the range the
+    candidates reach."""
+    least, most, cheapest, largest = reachable(cfg, free, fixed, weights)
+    budget = math.floor(cfg.target_bpw * weights)
+    if free and budget > most:
+        raise ValueError(f"{option('target_bpw', float(cfg.target_bpw))} is above the {most / weights:.4g} bits per "
+                         f"weight of every tensor at its largest candidate ({', '.join(sorted(largest))}"
+                         f"{', and the tensors formats/exclude fix' if fixed else ''}): the candidates reach "
+                         f"{least / weights:.4g} .. {most / weights:.4g} bits per weight of this model; choose a "
+                         f"target in that range")
+    _refuse_below(cfg.target_bpw, budget, weights, least, cheapest, bool(fixed))
+
+
+def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int) -> str:
+    """What the first pass of a ``target_bpw`` run is about to do, and its cost in solves, as one line: the
+    number of candidate formats, the solves (each free matrix stack once per candidate: the normal run solves
+    each once) and the range the candidates reach."""
+    least, most, _, _ = reachable(cfg, free, fixed, weights)
+    formats = sorted({f for *_, names in free.values() for f in names},
+                     key=lambda f: (alloc.tensor_bits(f, 1, 256, 1, cfg.quant), f))
+    solves = sum(len(names) for *_, names in free.values())
+    return (f"jgptq: {option('target_bpw', float(cfg.target_bpw))}: a first pass solves every layer under each of "
+            f"{len(formats)} candidate formats ({', '.join(formats)}): {solves} matrix stacks over {n_layers} "
+            f"layers, about {solves / max(len(free), 1):.1f} times the work of the run that follows; the "
+            f"candidates reach {least / weights:.4g} .. {most / weights:.4g} bits per weight")
 
 
 @contextlib.contextmanager
@@ -264,6 +298,8 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     prefix, layers = models.find_decoder_layers(model)
     free, fixed, weights = _layout(cfg, prefix, layers)
     _check_reachable(cfg, free, fixed, weights)   # before any work
+    if cfg.progress:
+        print(plan_line(cfg, free, fixed, weights, len(layers)), file=sys.stderr, flush=True)
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)

@@ -31,7 +31,13 @@ def arch_of(model) -> Arch:
         (biases, routing normalisation, dense layers in a MoE family, rope scaling, ...) that llama.cpp would
         silently compute differently.
     """
-    cfg = model.config
+    return arch_of_config(model.config, type(model).__name__)
+
+
+def arch_of_config(cfg, name: str) -> Arch:
+    """:func:`arch_of` from a transformers config alone (``name``: the model class named in messages), so that a
+    model llama.cpp cannot run faithfully is refused before its weights are loaded."""
+    model = type(name, (), {"config": cfg})()   # named in the messages as the model class would be
     mt = getattr(cfg, "model_type", None)
     if mt in REFUSED:
         raise UnsupportedGGUFModel(f"{type(model).__name__} (model_type {mt!r}): {REFUSED[mt]}")
@@ -47,7 +53,10 @@ def arch_of(model) -> Arch:
         given = bool(getattr(cfg, "norm_topk_prob", spec.norm_topk_default))
         if given != spec.norm_topk:
             _refuse(model, f"norm_topk_prob={given}", f"llama.cpp's {spec.name} graph always uses "
-                    f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently")
+                    f"norm_topk_prob={spec.norm_topk}; the GGUF would route differently. A model trained with "
+                    f"norm_topk_prob={given} runs faithfully from a compressed-tensors or gptq checkpoint (transformers "
+                    f"and vLLM read the setting); if its config.json is wrong, set norm_topk_prob to "
+                    f"{str(spec.norm_topk).lower()} there")
     if spec.check is not None:
         spec.check(model, spec)
     if not spec.window_from_layer_types and (getattr(cfg, "use_sliding_window", False)

@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+from jgptq.surface import option
+
 import functools
 import os
 import re
@@ -165,7 +167,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     """
     path = output_path(out)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{path} exists; pass {option('overwrite')} to replace it")
     file = GGUFFile(model, tokenizer=tokenizer, float_type=float_type)
     records = assemble(model, result, file.params) if result is not None else {}
     for param, rec in records.items():

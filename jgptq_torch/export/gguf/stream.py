@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+from jgptq.surface import option
+
 import re
 import threading
 from collections import Counter
@@ -52,7 +54,7 @@ class GGUFSink:
                  verify: bool = True):
         self.path = output_path(out)
         if self.path.exists() and not overwrite:
-            raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
+            raise FileExistsError(f"{self.path} exists; pass {option('overwrite')} to replace it")
         self._options = dict(overwrite=overwrite, verify=verify)
         self._tokenizer, self._float_type, self._file_type = tokenizer, float_type, file_type
         self._name, self._float_embeddings = name, float_embeddings
