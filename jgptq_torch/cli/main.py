@@ -271,6 +271,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        from jgptq_torch.gpu_sharing import share_gpu_with_torch
+
+        share_gpu_with_torch()
         from jgptq_torch.cli.command import run
 
         return run(args)

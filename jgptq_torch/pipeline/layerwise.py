@@ -55,6 +55,7 @@ from jgptq_torch.pipeline import run_setup
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
 from jgptq_torch.dlpack import to_torch
+from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.report import ModuleRecord, QuantizeResult
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
@@ -103,6 +104,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         :class:`jgptq.UnsupportedModelError` for layouts jgptq cannot see into;
         :class:`jgptq.ResumeMismatchError` for a checkpoint of another run.
     """
+    share_gpu_with_torch()
     cfg = PipelineConfig.build(config, **kwargs)
     xla_options.enable_compilation_cache()
     if checkpoint_dir is not None and cfg.keep_hessians:
