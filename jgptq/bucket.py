@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq import gptq, parallel
+from jgptq.objective import hessian_loss
 from jgptq.config import QuantConfig
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 from jgptq.quantizers import uniform
@@ -48,10 +49,17 @@ from jgptq.quantizers import uniform
 
 class MatrixPlan(NamedTuple):
     """How one matrix is quantized: ``method`` (``"gptq"`` or ``"rtn"``) and ``quant`` (its grid, or its GGML
-    format in ``quant.format``). Hashable: matrices of one shape and one plan form a bucket."""
+    format in ``quant.format``); ``routed``: a stack of routed experts, whose GPTQ solve needs the MoE token
+    threshold (:meth:`jgptq.config.MoEConfig.threshold`; other matrices fall back only when never reached).
+    Hashable: matrices of one shape and one plan form a bucket."""
 
     method: str
     quant: QuantConfig
+    routed: bool = False
+
+    def threshold(self, expert_threshold: int) -> int:
+        """Fewest calibration tokens for a GPTQ solve of this matrix, given the layer's ``expert_threshold``."""
+        return expert_threshold if self.routed else 1
 
     @property
     def format(self) -> str:
@@ -252,20 +260,6 @@ class Losses(NamedTuple):
 
     gptq: np.ndarray
     plain: np.ndarray
-
-
-def hessian_loss(weight: jax.Array, quantized: jax.Array, hessian: jax.Array) -> jax.Array:
-    """``trace((W - Q) H (W - Q)^T)`` of one matrix: ``weight``, ``quantized`` float (R, C), ``hessian`` float32
-    (C, C) -> float32 scalar. Traceable; products at precision HIGHEST and the sum in a fixed pairwise order, so
-    the bits are the same whether or not it is vmapped (the choice it feeds must not depend on the devices)."""
-    with jax.default_matmul_precision("highest"):
-        d = quantized.astype(jnp.float32) - weight.astype(jnp.float32)
-        x = jax.lax.optimization_barrier((d @ hessian.astype(jnp.float32)) * d).reshape(-1)
-    while x.shape[0] > 1:
-        if x.shape[0] % 2:
-            x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
-        x = x[0::2] + x[1::2]
-    return x[0]
 
 
 @dataclasses.dataclass(frozen=True)
