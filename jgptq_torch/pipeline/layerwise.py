@@ -282,7 +282,7 @@ def _solve(run: Run, i: int, collector, warm, imatrix_from=None) -> list:
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
     for m, _, stack, res in solved:
-        _record(report, i, m, stack, res, threshold if m.layout is not None else 1)
+        _record(report, i, m, stack, res, res.plan.threshold(threshold))
     report.add_time(i, "solve", time.perf_counter() - t0)
     return solved
 
