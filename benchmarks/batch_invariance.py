@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child(rows: int, cols: int, experts: int, plans: list[tuple[int, int]]) -> dict:
-    import jgptq  # noqa: F401  (sets XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import numpy as np
 

@@ -49,7 +49,7 @@ def _hessian(rng, c, np):
 
 
 def _setup(rows: int, cols: int, experts: int):
-    import jgptq  # noqa: F401  (sets XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import numpy as np
 

@@ -24,41 +24,13 @@
 
 The pure JAX functions live in the submodules: :mod:`jgptq.hessian`, :mod:`jgptq.gptq`,
 :mod:`jgptq.quantizers`, :mod:`jgptq.ggml`, :mod:`jgptq.parallel`, :mod:`jgptq.flax`, :mod:`jgptq.export`; the
-``jgptq`` command line is :mod:`jgptq_torch.cli.main`.
+``jgptq`` command line is :mod:`jgptq_torch.cli.main`. Without torch, a torch-side name raises
+:class:`NeedsTorchError` (an ``AttributeError`` that says what to install). Importing jgptq changes no setting of
+the process; the torch side's entry points ask JAX not to preallocate the GPU (:mod:`jgptq_torch.gpu_sharing`).
 """
 
 from jgptq.version import __version__
 
-
-# When torch shares the GPU, JAX must not grab 75% of it up front. The variable is read when JAX starts its
-# backends, so it still takes effect if jax was imported but has not run anything yet.
-def _disable_preallocation() -> None:
-    import os
-    import sys
-    import warnings
-
-    started = False
-    if "jax" in sys.modules:
-        try:
-            from jax._src import xla_bridge
-
-            started = bool(getattr(xla_bridge, "_backends", {}))
-        except Exception:  # pragma: no cover - private layout changed
-            started = True
-    if not started:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    elif os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") is None:
-        import jax
-
-        if any(d.platform != "cpu" for d in jax.devices()):
-            warnings.warn(
-                "JAX started before jgptq was imported and preallocated most of the GPU memory; set "
-                "XLA_PYTHON_CLIENT_PREALLOCATE=false before the first JAX computation if torch shares the GPU",
-                stacklevel=3,
-            )
-
-
-_disable_preallocation()
 
 # public name -> the module that defines it (imported on first access)
 _PUBLIC = {
@@ -88,6 +60,11 @@ _PUBLIC = {
 }
 _TORCH_SIDE = ("torch", "transformers", "tokenizers")
 
+
+class NeedsTorchError(AttributeError):
+    """A torch-side name of the face asked for where torch (or transformers) cannot be imported. An
+    ``AttributeError``, so that ``help(jgptq)``, ``hasattr`` and ``inspect`` pass over the name; its message says
+    what to install, and ``__cause__`` is the ``ModuleNotFoundError`` (its ``name`` the missing package)."""
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
 
@@ -102,8 +79,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] in _TORCH_SIDE:
-            raise ModuleNotFoundError(f"jgptq.{name} runs transformers models and needs {exc.name}; install "
-                                      f"them with: pip install 'jgptq[torch]'", name=exc.name) from exc
+            raise NeedsTorchError(f"jgptq.{name} runs transformers models and needs {exc.name}; install them "
+                                  f"with: pip install 'jgptq[torch]'", name=name) from exc
         raise
     globals()[name] = value
     return value

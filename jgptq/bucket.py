@@ -36,16 +36,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgptq.objective import hessian_loss  # noqa: F401 - the methods' objective, named here too
 from jgptq.config import QuantConfig
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 
 
 class MatrixPlan(NamedTuple):
     """How one matrix is quantized: ``method`` (a name of :mod:`jgptq.methods`: ``"gptq"``, ``"rtn"``, ...) and
-    ``quant`` (its grid, or its GGML format in ``quant.format``). Hashable: matrices of one shape and one plan form a bucket."""
+    ``quant`` (its grid, or its GGML format in ``quant.format``); ``routed``: a stack of routed experts, whose
+    solve needs the MoE token threshold (:meth:`jgptq.config.MoEConfig.threshold`; other matrices fall back only
+    when never reached). Hashable: matrices of one shape and one plan form a bucket."""
 
     method: str
     quant: QuantConfig
+    routed: bool = False
+
+    def threshold(self, expert_threshold: int) -> int:
+        """Fewest calibration tokens for a GPTQ solve of this matrix, given the layer's ``expert_threshold``."""
+        return expert_threshold if self.routed else 1
 
     @property
     def format(self) -> str:
@@ -224,18 +232,6 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
 PLAIN_KEPT = "lower loss"   # the reason of a matrix whose plain encode scored below its GPTQ solve
 
 
-def hessian_loss(weight: jax.Array, quantized: jax.Array, hessian: jax.Array) -> jax.Array:
-    """``trace((W - Q) H (W - Q)^T)`` of one matrix: ``weight``, ``quantized`` float (R, C), ``hessian`` float32
-    (C, C) -> float32 scalar. Traceable; products at precision HIGHEST and the sum in a fixed pairwise order, so
-    the bits are the same whether or not it is vmapped (the choice it feeds must not depend on the devices)."""
-    with jax.default_matmul_precision("highest"):
-        d = quantized.astype(jnp.float32) - weight.astype(jnp.float32)
-        x = jax.lax.optimization_barrier((d @ hessian.astype(jnp.float32)) * d).reshape(-1)
-    while x.shape[0] > 1:
-        if x.shape[0] % 2:
-            x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
-        x = x[0::2] + x[1::2]
-    return x[0]
 
 
 @jax.jit

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
+
+from jgptq.run_fields import (OFFLOADS, RUN_FIELDS, check_run_fields, fail_in as _fail_in,  # noqa: F401
+                              parse_size)
 
 # The values a field may take (the command line offers the same choices).
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
@@ -17,7 +19,6 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 METHODS = ("gptq", "rtn")
 MOE_CALIBRATIONS = ("routed", "all_experts")
 HESSIAN_DTYPES = ("float32", "bfloat16")
-OFFLOADS = ("none", "cpu", "disk")
 IMPORTANCES = ("imatrix", "hessian", "none")
 IMATRIX_SOURCES = ("replay", "float")
 
@@ -113,35 +114,6 @@ class QuantConfig:
     def replace(self, **changes) -> "QuantConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-# Fields that say where and how visibly a run works, never what it computes: a resumed run may change them.
-RUN_FIELDS = ("progress", "offload", "offload_dir", "device_budget", "reload", "keep_offload_files")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text) -> int:
-    """Bytes of ``"40GB"``, ``"500MiB"``, ``"1000000"`` or an int (decimal units for kB/MB/GB/TB, binary for
-    KiB/MiB/GiB/TiB).
-
-    Raises:
-      ValueError: not a size.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"size {text!r} is not a number of bytes such as 40GB or 500MiB")
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"size {text!r} is not a number of bytes such as 40GB or 500MiB")
-    unit = (m.group(2) or "").lower()
-    power = " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 0
-    base = 1024 if "i" in unit else 1000
-    return int(float(m.group(1)) * base**power)
-
-
-def _fail_in(cls: str, field: str, value, rule: str):
-    raise ValueError(f"{cls}.{field}={value!r}: {rule}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +257,7 @@ class PipelineConfig:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
                 _fail_in("PipelineConfig", "exclude", pattern, f"not a regular expression ({exc})")
-        self._check_offload()
+        check_run_fields(self)
 
     def _check_ggml(self):
         from jgptq import mixes
@@ -298,10 +270,10 @@ class PipelineConfig:
         if self.mix is not None:
             if self.mix not in mixes.PRESETS:
                 _fail_in("PipelineConfig", "mix", self.mix, f"must be None or one of {sorted(mixes.PRESETS)}")
-            base = mixes.PRESETS[self.mix]
-            if self.quant.format == "int":
-                object.__setattr__(self, "quant", self.quant.replace(format=base))
-            elif self.quant.format != base:
+            base, fmt = mixes.PRESETS[self.mix], mixes.run_format(self.mix, self.quant.format)
+            if fmt != self.quant.format:
+                object.__setattr__(self, "quant", self.quant.replace(format=fmt))
+            elif fmt != base:
                 _fail_in("PipelineConfig", "mix", self.mix, f"its base format is {base}, but quant.format is "
                          f"{self.quant.format!r} (leave format at 'int' or set it to {base!r})")
         rules = []
@@ -334,34 +306,6 @@ class PipelineConfig:
             if self.importance == "none" and (fmt.requires_importance or fmt.name in mixes.NEEDS_IMPORTANCE):
                 _fail_in("PipelineConfig", "importance", self.importance, f"format {fmt.name} needs importance "
                          f"weights (llama.cpp refuses it without an imatrix); use 'imatrix' or 'hessian'")
-
-    def _check_offload(self):
-        if self.offload not in OFFLOADS:
-            _fail_in("PipelineConfig", "offload", self.offload, f"must be one of {OFFLOADS}")
-        disk = self.offload == "disk"
-        if self.offload_dir is not None:
-            if not isinstance(self.offload_dir, (str, os.PathLike)) or not os.fspath(self.offload_dir):
-                _fail_in("PipelineConfig", "offload_dir", self.offload_dir, "must be a folder path or None")
-            if not disk:
-                _fail_in("PipelineConfig", "offload_dir", self.offload_dir, "only used with offload='disk'")
-            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
-        if self.device_budget is not None:
-            try:
-                budget = parse_size(self.device_budget)
-            except ValueError as exc:
-                _fail_in("PipelineConfig", "device_budget", self.device_budget, str(exc))
-            if budget < 1:
-                _fail_in("PipelineConfig", "device_budget", self.device_budget, "must be a positive size")
-            object.__setattr__(self, "device_budget", budget)
-        for name in ("reload", "keep_offload_files"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                _fail_in("PipelineConfig", name, value, "must be True or False")
-            if value != (name == "reload") and not disk:
-                _fail_in("PipelineConfig", name, value, "only used with offload='disk'")
-            if value != (name == "reload") and self.offload_dir is None:
-                _fail_in("PipelineConfig", name, value, "needs offload_dir: the layer files stay there after the "
-                         "run, so they must not go to a temporary folder")
 
     @classmethod
     def build(cls, config=None, **kwargs) -> "PipelineConfig":

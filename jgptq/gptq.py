@@ -42,6 +42,7 @@ import numpy as np
 
 from jgptq import act_order, damping
 from jgptq.config import QuantConfig
+from jgptq.solve_inputs import check_inputs  # noqa: F401  (jgptq.gptq.check_inputs)
 from jgptq.kernels import inblock
 from jgptq.quantizers import uniform
 
@@ -300,40 +301,6 @@ def _exact_order_sum(err: jax.Array) -> jax.Array:
 _solve_jit = jax.jit(solve_unchecked, static_argnames=("config", "codec"))
 
 
-def check_inputs(weight, hessian, importance, config: QuantConfig, name: str, batched: bool) -> None:
-    """Raises ValueError naming ``name`` and the rule broken for inputs :func:`solve_unchecked` cannot solve: ranks
-    and shapes (``weight`` (R, C), ``hessian`` (C, C), ``importance`` (C,) or None; with ``batched`` a leading
-    expert axis E on ``weight`` and optionally on the others), rows of partial groups or format blocks, a format
-    needing importance without it, NaN or Inf (reading finiteness waits for the arrays: one device sync)."""
-    lead = 1 if batched else 0
-    if weight.ndim != 2 + lead:
-        raise ValueError(f"{name}: weight must be {'3-D (experts, out, in)' if batched else '2-D (out, in)'}, "
-                         f"got shape {tuple(weight.shape)}")
-    cols = weight.shape[-1]
-    if hessian.shape[-2:] != (cols, cols) or hessian.ndim not in (2, 2 + lead):
-        raise ValueError(f"{name}: Hessian of shape {tuple(hessian.shape)} does not match a weight with {cols} "
-                         f"input columns (expected ({cols}, {cols}){' or (experts, C, C)' if batched else ''})")
-    if batched and hessian.ndim == 3 and hessian.shape[0] != weight.shape[0]:
-        raise ValueError(f"{name}: {hessian.shape[0]} Hessians for {weight.shape[0]} experts")
-    if config.is_ggml:
-        from jgptq.ggml import get_format
-
-        fmt = get_format(config.format)
-        if cols % fmt.block_size:
-            raise ValueError(f"{name}: {cols} input columns are not a multiple of the {fmt.name} block size "
-                             f"{fmt.block_size}")
-        if fmt.requires_importance and importance is None:
-            raise ValueError(f"{name}: format {fmt.name} needs importance weights (an imatrix or the Hessian "
-                             f"diagonal)")
-    elif config.group_size != -1 and cols % config.group_size:
-        raise ValueError(f"{name}: {cols} input columns are not a multiple of group_size {config.group_size}")
-    if importance is not None and importance.shape[-1] != cols:
-        raise ValueError(f"{name}: importance of shape {tuple(importance.shape)} does not match {cols} columns")
-    for what, arr in (("weight", weight), ("Hessian", hessian), ("importance", importance)):
-        if arr is not None and not bool(jnp.isfinite(arr).all()):
-            raise ValueError(f"{name}: {what} contains NaN or Inf")
-
-
 def solve(weight, hessian, config: QuantConfig = QuantConfig(), *, importance=None, name: str = "weight",
           check: bool = True, codec: Optional[GroupCodec] = None) -> GPTQResult:
     """GPTQ-quantizes one weight matrix.
@@ -389,13 +356,6 @@ def solve_experts(weights, hessians, config: QuantConfig = QuantConfig(), *, imp
         one = _solve_jit(weights[0], hessians if hessians.ndim == 2 else hessians[0], imp, config, None)
         return jax.tree.map(lambda a: a[None], one)
     return _solve_experts_jit(weights, hessians, importance, config, hessians.ndim == 2)
-
-
-def weighted_error(weight, quantized, hessian) -> jax.Array:
-    """Output-space error ``trace((Wq - W) H (Wq - W)^T)`` (float32 scalar; = ||(Wq - W) X^T||^2 * 2/N)."""
-    with jax.default_matmul_precision("highest"):
-        d = jnp.asarray(quantized, jnp.float32) - jnp.asarray(weight, jnp.float32)
-        return jnp.sum((d @ jnp.asarray(hessian, jnp.float32)) * d)
 
 
 def summarize(result: GPTQResult) -> dict:

@@ -55,6 +55,21 @@ class ImatrixEntry(NamedTuple):
         return out
 
 
+def hessian_importance(hessian, tokens, n: int) -> np.ndarray:
+    """float32 (n, C): the Hessian diagonal (``2/N sum x^2``) as the per-column importance of the GGML encoders,
+    with 1.0 in every column of a matrix that saw no token (llama.cpp's convention, as :meth:`ImatrixEntry.values`).
+
+    Args:
+      hessian: float32 (C, C) shared by the n matrices, or (n, C, C); tokens: the n token counts behind it.
+    """
+    import jax.numpy as jnp
+
+    diag = np.asarray(jnp.diagonal(jnp.asarray(hessian), axis1=-2, axis2=-1), np.float32)
+    diag = np.broadcast_to(diag.reshape(-1, diag.shape[-1]), (n, diag.shape[-1])).copy()
+    diag[np.asarray(tokens).reshape(-1) == 0] = 1.0
+    return diag
+
+
 def _entry(name: str, entry) -> ImatrixEntry:
     sums, counts = np.asarray(entry[0], np.float32), np.asarray(entry[1], np.float32)
     if sums.ndim == 1:

@@ -102,6 +102,12 @@ def _iq2_m_format(cat: str, layer: int, n_layers: int, n_expert: int, n_gqa: int
     return "iq2_s"
 
 
+def run_format(mix, fmt: str) -> str:
+    """The ``quant.format`` of a run with mix preset ``mix`` (or None) and format ``fmt``: the preset's base format
+    where ``fmt`` is left at ``"int"``, else ``fmt`` (a different GGML format is the config's error to raise)."""
+    return PRESETS[mix] if mix is not None and fmt == "int" else fmt
+
+
 def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1) -> str:
     """The format llama.cpp's mix ``preset`` gives the weight ``name`` of decoder layer ``layer`` of a model with
     ``n_expert`` experts per layer and ``n_gqa`` query heads per key-value head."""

@@ -21,6 +21,7 @@ from typing import Iterable, NamedTuple, Optional
 from jgptq import mixes
 from jgptq.bucket import MatrixPlan
 from jgptq.surface import on_command_line, option
+from jgptq.solve_inputs import width_misfit
 
 
 class Rule(NamedTuple):
@@ -36,12 +37,14 @@ class Rule(NamedTuple):
 
 class Target(NamedTuple):
     """What planning needs to know of a matrix: ``name`` relative to its decoder layer, its ``layer`` index, its
-    input columns ``cols`` and ``param``, the model parameter name (for messages and as the plan's key)."""
+    input columns ``cols``, ``param``, the model parameter name (for messages and as the plan's key), and
+    ``routed``: a stack of routed experts (the MoE token threshold applies to its solve)."""
 
     name: str
     layer: int
     cols: int
     param: str
+    routed: bool = False
 
 
 class Plan(NamedTuple):
@@ -82,7 +85,8 @@ def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param
     return config.quant.format
 
 
-def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int = 1) -> tuple:
+def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int = 1, *,
+                candidate: Optional[str] = None) -> tuple:
     """The method and format of one matrix: the single place this is decided.
 
     Args:
@@ -90,6 +94,9 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int
       target: the matrix.
       n_layers, n_expert: decoder layers of the model and the largest expert count of a layer (the mixes'
         layer patterns and llama.cpp's 8-expert rule); n_gqa: query heads per key-value head (the mixes' attn_v).
+      candidate: a format to plan the matrix with in place of its ``formats`` rule, ``assignment`` entry or mix
+        choice (a GGML name, or ``"int<bits>"`` in an integer-grid run): what the ``target_bpw`` measurement
+        tries. An ``exclude`` rule still wins.
     Returns:
       (:class:`MatrixPlan` or None when a rule excludes it, a fallback note or None).
     Raises:
@@ -101,21 +108,21 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int
         return None, None
     quant, note = config.quant, None
     if quant.is_ggml:
-        fmt = format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa)
+        fmt = candidate or format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa)
         fmt, note = _fit_block(config, target, fmt)
         if fmt != quant.format:
             quant = quant.replace(format=fmt)
-        return MatrixPlan(config.method, quant), note
+        return MatrixPlan(config.method, quant, target.routed), note
     from jgptq.allocate import int_bits_of
 
-    bits = int_bits_of(dict(config.assignment).get(target.param, ""))
+    bits = int_bits_of(candidate or dict(config.assignment).get(target.param, ""))
     if bits is not None and bits != quant.bits:
         quant = quant.replace(bits=bits)
-    if quant.group_size != -1 and target.cols % quant.group_size:
-        raise ValueError(f"{target.param.removesuffix('.weight')}: {target.cols} input columns are not a multiple "
-                         f"of group_size "
-                         f"{quant.group_size} (exclude it with exclude=[...] or choose another group_size)")
-    return MatrixPlan(config.method, quant), note
+    misfit = width_misfit(quant, target.cols)
+    if misfit:
+        raise ValueError(f"{target.param.removesuffix('.weight')}: {misfit} (exclude it with exclude=[...] or "
+                         f"choose another group_size)")
+    return MatrixPlan(config.method, quant, target.routed), note
 
 
 def _fit_block(config, target: Target, fmt: str) -> tuple:

@@ -7,6 +7,7 @@ import pytest
 
 from jgptq import QuantConfig, gptq
 from jgptq import hessian as hs
+from jgptq.objective import hessian_loss
 from jgptq.quantizers import uniform
 from tests import reference_gptq as ref
 from tests.conftest import correlated_activations
@@ -131,9 +132,9 @@ def test_gptq_beats_round_to_nearest_on_output_error(rng, cfg):
     assert out(res.weight) < 0.97 * out(w_rtn)
     # closed form: the solver's loss is half the error weighted by the damped Hessian (W - Q = E U, H = (U^T U)^-1)
     h_damped = h + cfg.damp * np.mean(np.diag(h)) * np.eye(h.shape[0], dtype=np.float32)
-    assert np.isclose(float(res.loss), float(gptq.weighted_error(w, res.weight, h_damped)) / 2, rtol=1e-3)
+    assert np.isclose(float(res.loss), float(hessian_loss(w, res.weight, h_damped)) / 2, rtol=1e-3)
     # and the undamped weighted error is the output error: trace(D H D^T) = 2/N ||D X^T||^2
-    assert out(res.weight) ** 2 / x.shape[0] * 2 == pytest.approx(float(gptq.weighted_error(w, res.weight, h)),
+    assert out(res.weight) ** 2 / x.shape[0] * 2 == pytest.approx(float(hessian_loss(w, res.weight, h)),
                                                                  rel=1e-3)
 
 

@@ -24,6 +24,8 @@ import numpy as np
 from jgptq.bucket import PLAIN_KEPT, MatrixPlan, Stack, quantize_bucket
 from jgptq import methods
 from jgptq.config import QuantConfig
+from jgptq.imatrix import hessian_importance
+from jgptq.solve_inputs import width_misfit
 from jgptq.flax.capture import (DEFAULT_EXCLUDE, Collector, ModelRun, Unit, WeightInfo, capture_hessians,
                                 default_filter)
 
@@ -119,10 +121,8 @@ def solve_weight(weights, hessians, tokens, config: QuantConfig, *, method: str 
     if empty.size:
         log.warning("%s: experts %s saw no calibration tokens; they are rounded to nearest", name, empty.tolist())
     importance = None
-    if config.is_ggml:  # the Hessian diagonal; 1.0 for an expert that saw nothing, as llama.cpp does
-        diag = np.asarray(jnp.diagonal(hessians, axis1=-2, axis2=-1), np.float32).copy()
-        diag[tokens == 0] = 1.0
-        importance = diag
+    if config.is_ggml:
+        importance = hessian_importance(hessians, tokens, len(tokens))
     (solved,) = quantize_bucket([Stack(name, weights, hessians, tokens.tolist(), name, importance)],
                                 MatrixPlan(method, config))
     payload = {k: getattr(solved, k) for k in ("codes", "scales", "zeros", "g_idx", "perm", "payload")
@@ -131,18 +131,6 @@ def solve_weight(weights, hessians, tokens, config: QuantConfig, *, method: str 
     figures["no_token_experts"] = empty.tolist()
     figures["plain_kept"] = [e for e, why in enumerate(solved.reason) if why.startswith(PLAIN_KEPT)]
     return solved.weight, payload, figures
-
-
-def _divisibility(info: WeightInfo, config: QuantConfig) -> Optional[str]:
-    if config.is_ggml:
-        from jgptq.ggml import get_format
-
-        block = get_format(config.format).block_size
-        if info.in_features % block:
-            return f"{info.in_features} input features are not a multiple of the {config.format} block {block}"
-    elif config.group_size != -1 and info.in_features % config.group_size:
-        return f"{info.in_features} input features are not a multiple of group_size {config.group_size}"
-    return None
 
 
 class _Pipeline:
@@ -159,7 +147,7 @@ class _Pipeline:
         config = self.config_of(info)
         if config is None:
             return False
-        reason = _divisibility(info, config)
+        reason = width_misfit(config, info.in_features, "input features")
         if reason:
             log.warning("%s not quantized: %s", info.name, reason)
             self.col.skipped[info.name] = reason

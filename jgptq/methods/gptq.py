@@ -4,7 +4,7 @@
   shared by every matrix of the bucket (q/k/v, or gate/up of a dense MLP) is passed once, as (C, C), so its
   factorization is shared too.
 - GGML formats: each matrix is also given the plain encode (with the same importance) in the same program, both
-  are scored by :func:`jgptq.bucket.hessian_loss` on the matrix's own Hessian, and the lower is kept; a matrix
+  are scored by :func:`jgptq.objective.hessian_loss` on the matrix's own Hessian, and the lower is kept; a matrix
   whose plain encode wins falls back (reported as ``rtn``, reason ``lower loss: plain ... < gptq ...``). The guard
   costs one plain encode and two (R, C) x (C, C) products per matrix.
 - A matrix below the token threshold gets the identity as its Hessian, for which GPTQ is exactly round-to-nearest;
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq import gptq, parallel
-from jgptq.bucket import PLAIN_KEPT, hessian_loss, plain_encoder
+from jgptq.bucket import PLAIN_KEPT, plain_encoder
+from jgptq.objective import hessian_loss
 from jgptq.config import QuantConfig
 from jgptq.methods.registry import BucketInputs, BucketOutput, register
 
@@ -70,7 +71,7 @@ class Losses(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class GPTQOrPlain:
     """The per-matrix program of a GGML GPTQ bucket: the GPTQ solve and the plain encode, each scored by
-    :func:`jgptq.bucket.hessian_loss` on the matrix's Hessian; the GPTQ result with the plain encode's bytes and
+    :func:`jgptq.objective.hessian_loss` on the matrix's Hessian; the GPTQ result with the plain encode's bytes and
     weight where those score strictly lower, and both losses (hashable: compiled programs are cached per
     config)."""
 

@@ -82,10 +82,9 @@ def build_config(args, dtype: str) -> PipelineConfig:
     target = target_options(args)
     if target and args.export == "gguf" and fmt == "int":
         fmt = "q4_k"   # a GGML run; the target gives every tensor its own format
-    if mix is not None and fmt == "int":
-        from jgptq.mixes import PRESETS
+    from jgptq.mixes import run_format
 
-        fmt = PRESETS[mix]
+    fmt = run_format(mix, fmt)   # the format the exporter check below must see
     quant = QuantConfig(format=fmt, bits=args.bits, group_size=args.group_size, sym=args.sym,
                         act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
     from jgptq_torch.export.checkpoint import check_format

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq.evaluation import (DEFAULT_N_CTX, Evaluation, EvaluationError, concat, cut_windows, demo_texts,
                               first_scored, scored_slice, summarize, token_stats)
 
@@ -241,6 +242,7 @@ def evaluate(quantized, reference, text=None, *, tokens=None, n_ctx: int = DEFAU
     Returns:
       a :class:`jgptq.evaluation.Evaluation` (``summary``, ``per_token``, ``table()``, ``to_json(path)``).
     """
+    share_gpu_with_torch()
     say = log or (lambda msg: None)
     specs = [(quantized, _kind(quantized, "quantized model")), (reference, _kind(reference, "float model"))]
     for spec, kind in specs:

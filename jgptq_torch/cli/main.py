@@ -276,6 +276,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        from jgptq_torch.gpu_sharing import share_gpu_with_torch
+
+        share_gpu_with_torch()
         from jgptq_torch.cli.command import run
         from jgptq.surface import command_line
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from jgptq_torch import models
+from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq.export import export_compressed_tensors, export_gptq_v1
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
 
@@ -318,6 +319,7 @@ def export_model(model, result, kind: str, out_dir, *, overwrite: bool = False, 
         tensors that a checkpoint of this family keeps fused); a written checkpoint that does not read back to
         the solver's weights (``verify``); FileExistsError: a non-empty output without ``overwrite``.
     """
+    share_gpu_with_torch()
     quant = result.config.quant if getattr(result, "config", None) is not None else None
     if quant is not None:
         check_format(kind, quant)

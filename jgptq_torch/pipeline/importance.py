@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from jgptq.imatrix import ImatrixEntry
+from jgptq.imatrix import ImatrixEntry, hessian_importance
 
 
 def target_weights(prefix: str, layer_idx: int, target):
@@ -72,12 +72,6 @@ def importance_of(cfg, entry: Optional[ImatrixEntry], hessian, tokens, n: int):
     if cfg.importance == "imatrix":
         values = entry.values()
         return np.broadcast_to(values.reshape(-1, values.shape[-1]), (n, values.shape[-1])).astype(np.float32)
-    # the Hessian diagonal (2/N sum x^2); a matrix that saw no token gets 1.0 everywhere, as in llama.cpp
-    if hessian is None:
+    if hessian is None:   # never reached: llama.cpp's 1.0 everywhere
         return None if entry is None else np.ones((n, entry.sums.shape[-1]), np.float32)
-    import jax.numpy as jnp
-
-    diag = np.asarray(jnp.diagonal(jnp.asarray(hessian), axis1=-2, axis2=-1), np.float32)
-    diag = np.broadcast_to(diag.reshape(-1, diag.shape[-1]), (n, diag.shape[-1])).copy()
-    diag[np.asarray(tokens).reshape(-1) == 0] = 1.0
-    return diag
+    return hessian_importance(hessian, tokens, n)

@@ -56,6 +56,7 @@ from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
 from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.dlpack import to_torch
+from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.report import ModuleRecord, QuantizeResult
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
@@ -107,6 +108,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         :class:`jgptq.UnsupportedModelError` for layouts jgptq cannot see into;
         :class:`jgptq.ResumeMismatchError` for a checkpoint of another run.
     """
+    share_gpu_with_torch()
     cfg = PipelineConfig.build(config, **kwargs)
     xla_options.enable_compilation_cache()
     if checkpoint_dir is not None and cfg.keep_hessians:
@@ -299,7 +301,7 @@ def _solve(run: Run, i: int, collector, warm, imatrix_from=None) -> list:
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
     for m, _, stack, res in solved:
-        _record(report, i, m, stack, res, threshold if m.layout is not None else 1)
+        _record(report, i, m, stack, res, res.plan.threshold(threshold))
     report.add_time(i, "solve", time.perf_counter() - t0)
     return solved
 

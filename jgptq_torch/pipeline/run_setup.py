@@ -110,7 +110,8 @@ def plan_layers(prefix: str, layers, cfg) -> tuple:
     n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
     attn = getattr(layers[0], "self_attn", None) if len(layers) else None
     n_gqa = int(getattr(attn, "num_key_value_groups", 1) or 1)  # query heads per key-value head
-    plan = plan_mod.resolve(cfg, [plan_mod.Target(m.name, i, m.cols, m.param_name(f"{prefix}.{i}"))
+    plan = plan_mod.resolve(cfg, [plan_mod.Target(m.name, i, m.cols, m.param_name(f"{prefix}.{i}"),
+                                                  m.layout is not None)
                                   for i, t in enumerate(found) for m in t.matrices()], len(layers), n_expert, n_gqa)
     targets = [t.without({m.name for m in t.matrices() if m.param_name(f"{prefix}.{i}") in plan.skipped})
                for i, t in enumerate(found)]

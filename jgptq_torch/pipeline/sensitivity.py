@@ -50,7 +50,7 @@ from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
 from jgptq import statistics
-from jgptq.bucket import MatrixPlan
+from jgptq.objective import hessian_loss
 from jgptq.surface import on_command_line, option
 
 ALLOCATION_FILE = "allocation.json"
@@ -60,12 +60,6 @@ def group_name(name: str) -> str:
     """The group of a matrix named relative to its layer: per-expert modules ``experts.<e>.<proj>`` share
     ``experts.*.<proj>``; any other name is its own group."""
     return re.sub(r"(^|\.)experts\.\d+\.", r"\1experts.*.", name)
-
-
-def quant_of(cfg, fmt: str):
-    """The :class:`jgptq.config.QuantConfig` of candidate ``fmt`` in a run under ``cfg``."""
-    bits = alloc.int_bits_of(fmt)
-    return cfg.quant.replace(bits=bits) if bits is not None else cfg.quant.replace(format=fmt)
 
 
 def _layout(cfg, prefix: str, layers):
@@ -94,13 +88,19 @@ def _layout(cfg, prefix: str, layers):
     return free, fixed, weights
 
 
+def _candidate_plan(run, free_entry, param: str, fmt: str):
+    """The :class:`jgptq.bucket.MatrixPlan` of a free matrix under candidate ``fmt``
+    (:func:`jgptq.plan.plan_matrix`)."""
+    layer, _, m, _ = free_entry
+    target = plan_mod.Target(m.name, layer, m.cols, param, m.layout is not None)
+    plan, _ = plan_mod.plan_matrix(run.cfg, target, len(run.layers), 0, candidate=fmt)
+    return plan
+
+
 @jax.jit
 def _output_error(weight, solved, hessian):
     """tr((W - Q) H (W - Q)^T) / 2 per matrix: (n,) float32 of (n, R, C) weights and (C, C) or (n, C, C) H."""
-    with jax.default_matmul_precision("highest"):
-        err = weight.astype(jnp.float32) - solved
-        eh = err @ hessian if hessian.ndim == 2 else jnp.einsum("nrc,ncd->nrd", err, hessian)
-        return jnp.sum(eh * err, axis=(-2, -1)) / 2
+    return hessian_loss(weight, solved, hessian, fixed_order=False) / 2
 
 
 def _costs(run, collector, free: dict, gains: dict, solved: list) -> dict:
@@ -145,7 +145,7 @@ def measure(run, free: dict, gains) -> dict:
         threshold = cfg.moe.threshold(collector.batch_tokens)
         for fmt in sorted({f for _, p, _ in stacks for f in free[p][3]}):
             chosen = [s for s in stacks if fmt in free[s[1]][3]]
-            plan = plan_mod.Plan({p: MatrixPlan(cfg.method, quant_of(cfg, fmt)) for _, p, _ in chosen}, {}, [], [])
+            plan = plan_mod.Plan({p: _candidate_plan(run, free[p], p, fmt) for _, p, _ in chosen}, {}, [], [])
             for param, c in _costs(run, collector, free, gains, solve_layer(chosen, plan, threshold,
                                                                             devices=run.devices)).items():
                 costs.setdefault(param, {})[fmt] = c

@@ -54,16 +54,16 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict) -> list:
 
 def solve_layer(stacks: list, plan, threshold: int, *, devices=None) -> list:
     """Quantizes a layer's (Matrix, parameter name, Stack) triples, one :func:`quantize_bucket` call per bucket
-    (experts or linear, rows, columns, plan; experts below ``threshold`` tokens fall back, linear modules only
-    when never reached); returns [(Matrix, parameter name, Stack, :class:`jgptq.bucket.Solved`)] in bucket
-    order."""
+    (experts or linear, rows, columns, plan; routed experts below the layer's expert ``threshold`` of tokens fall
+    back, other matrices only when never reached: :meth:`jgptq.bucket.MatrixPlan.threshold`); returns
+    [(Matrix, parameter name, Stack, :class:`jgptq.bucket.Solved`)] in bucket order."""
     buckets: dict = {}
     for m, param, s in stacks:
         buckets.setdefault((m.layout is not None, m.rows, m.cols, plan.matrices[param]), []).append((m, param, s))
     out = []
     for key in sorted(buckets, key=lambda k: k[:3] + (k[3].format,)):
         group = buckets[key]
-        solved = quantize_bucket([s for _, _, s in group], key[3], threshold=threshold if key[0] else 1,
+        solved = quantize_bucket([s for _, _, s in group], key[3], threshold=key[3].threshold(threshold),
                                  devices=devices)
         out += [(m, param, s, r) for (m, param, s), r in zip(group, solved)]
     return out

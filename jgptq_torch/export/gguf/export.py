@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from jgptq_torch import models
+from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq_torch.export.gguf.arch import (ARCHITECTURES, Target, UnsupportedGGUFModel, arch_of, gguf_names, metadata,
                                qk_row_order, rope_freqs, targets)
 from jgptq_torch.export.gguf.edges import edge_records
@@ -165,6 +166,7 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
       ValueError: a record of the wrong type, shape or format (rows not a multiple of its block), a record for a
         norm or router, or keys that belong to no parameter. FileExistsError: ``out`` exists, no ``overwrite``.
     """
+    share_gpu_with_torch()
     path = output_path(out)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass {option('overwrite')} to replace it")
