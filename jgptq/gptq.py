@@ -136,17 +136,32 @@ def _plan(num_columns: int, config: QuantConfig, codec: Optional[GroupCodec]) ->
 
 
 def solve_unchecked(weight: jax.Array, hessian: jax.Array, importance: Optional[jax.Array], config: QuantConfig,
-                    codec: Optional[GroupCodec] = None) -> GPTQResult:
+                    codec: Optional[GroupCodec] = None, grid_weights: Optional[str] = None) -> GPTQResult:
     """The GPTQ solve of one weight as :func:`solve` (same arguments and result), traceable (jit, vmap,
     shard_map) and unchecked: inputs :func:`check_inputs` would refuse fail while tracing or give meaningless
-    results. ``weight`` float (R, C), ``hessian`` float (C, C), ``importance`` float32 (C,) or None."""
+    results. ``weight`` float (R, C), ``hessian`` float (C, C), ``importance`` float32 (C,) or None.
+
+    ``grid_weights`` (integer grids): None fits grids as ``config`` says; ``"factor"`` or ``"diagonal"`` fits
+    every group's grid by the weighted clip search of :func:`jgptq.quantizers.uniform.fit`, weighting each
+    column's squared rounding error by ``T_jj ** 2`` (what the GPTQ objective charges the column's own rounding:
+    the diagonal of the damped Hessian's factor in the solve order) or by ``H_jj`` (the Hessian diagonal, the
+    imatrix weighting)."""
     if codec is None and config.is_ggml:
         codec = ggml_codec(config.format)
     with jax.default_matmul_precision("highest"):
-        return _solve_highest(weight, hessian, importance, config, codec)
+        return _solve_highest(weight, hessian, importance, config, codec, grid_weights)
 
 
-def _solve_highest(weight, hessian, importance, config, codec):
+def _column_weights(kind, h, upper, perm, cols):
+    """Per-column weights of the weighted grid search, float32 (padded,) in the solve order (padding: 1)."""
+    if kind == "factor":
+        return jnp.square(jnp.diagonal(upper))
+    if kind == "diagonal":
+        return jnp.pad(jnp.diagonal(h)[perm], (0, upper.shape[0] - cols), constant_values=1.0)
+    raise ValueError(f"grid_weights={kind!r}: must be None, 'factor' or 'diagonal'")
+
+
+def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None):
     rows, cols = weight.shape
     plan = _plan(cols, config, codec)
     w = weight.astype(jnp.float32)
@@ -163,6 +178,7 @@ def _solve_highest(weight, hessian, importance, config, codec):
     # Transposed, permuted, padded original weight: row i of ``wt`` is the i-th column to solve.
     wt = jnp.pad(w[:, perm].T, ((0, pad), (0, 0)))
     u_blocks = damping.diagonal_block_inverses(upper, plan.block)
+    colw = None if grid_weights is None or codec is not None else _column_weights(grid_weights, h, upper, perm, cols)
 
     if codec is not None:
         type_size = codec.type_size
@@ -179,8 +195,9 @@ def _solve_highest(weight, hessian, importance, config, codec):
         else:
             # Grids fitted once from the original (dead-column-fixed) weight, in original column order.
             w_orig = jnp.pad(w, ((0, 0), (0, pad)))
-            grid = uniform.fit_groups(w_orig, config) if config.group_size != -1 else uniform.Grid(
-                *(a[:, None] for a in uniform.fit(w, config)))
+            cw = None if colw is None else jnp.pad(colw[:cols][jnp.argsort(perm)], (0, pad), constant_values=1.0)
+            grid = uniform.fit_groups(w_orig, config, cw) if config.group_size != -1 else uniform.Grid(
+                *(a[:, None] for a in uniform.fit(w, config, None if cw is None else cw[:cols])))
             scale_t, zero_t = grid.scale.T, grid.zero.T
         state_extra = (scale_t, zero_t, jnp.zeros((plan.padded, rows), jnp.uint8))
 
@@ -192,7 +209,8 @@ def _solve_highest(weight, hessian, importance, config, codec):
         wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t) = carry
         g0 = k * group
         if plan.lazy:
-            fitted = uniform.fit(jax.lax.dynamic_slice_in_dim(wb, g0, group, axis=0).T, config)
+            cw = None if colw is None else jax.lax.dynamic_slice_in_dim(colw, b0 + g0, group)
+            fitted = uniform.fit(jax.lax.dynamic_slice_in_dim(wb, g0, group, axis=0).T, config, cw)
             gi = gid[b0 + g0]
             scale_t = jax.lax.dynamic_update_slice_in_dim(scale_t, fitted.scale[None], gi, axis=0)
             zero_t = jax.lax.dynamic_update_slice_in_dim(zero_t, fitted.zero[None], gi, axis=0)
@@ -231,7 +249,8 @@ def _solve_highest(weight, hessian, importance, config, codec):
         return wb, qb, eb, ub, loss, payload_t
 
     step = group_step if codec is not None else column_steps
-    kernel = None if codec is not None else inblock.in_block_solver(config, block, group, plan.lazy)
+    kernel = None if codec is not None or colw is not None else inblock.in_block_solver(config, block, group,
+                                                                                          plan.lazy)
 
     def block_step(b, carry):
         pull, qt, loss, extra = carry

@@ -1,6 +1,7 @@
 """Quantization methods as plug-ins (see :mod:`jgptq.methods.registry` for what a method is and how to add one).
 
-Built in: ``"gptq"`` (:mod:`jgptq.methods.gptq`) and ``"rtn"`` (:mod:`jgptq.methods.rtn`)."""
+Built in: ``"gptq"`` (:mod:`jgptq.methods.gptq`), ``"rtn"`` (:mod:`jgptq.methods.rtn`) and ``"gptq_search"`` /
+``"gptq_search_diag"`` (GPTQ with grids searched on the Hessian-weighted error, :mod:`jgptq.methods.gptq_search`)."""
 
 from jgptq.methods.registry import BucketInputs, BucketOutput, Method, get, names, register, unregister
 

@@ -35,7 +35,8 @@ import importlib
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 # built-in method name -> the module that registers it on import
-_BUILTIN = {"gptq": "jgptq.methods.gptq", "rtn": "jgptq.methods.rtn"}
+_BUILTIN = {"gptq": "jgptq.methods.gptq", "rtn": "jgptq.methods.rtn", "gptq_search": "jgptq.methods.gptq_search",
+            "gptq_search_diag": "jgptq.methods.gptq_search"}
 _REGISTERED: dict = {}
 
 

@@ -11,6 +11,9 @@ A grid maps a weight ``w`` to a code ``q = clamp(round(w / scale) + zero, 0, max
   the codes are computed from it.
 - Optional MSE clip search: shrink the range by ``p = 1 - i / grid`` for ``i < maxshrink * grid`` and keep, per
   row, the factor with the smallest ``sum |dequant - w| ** norm`` (first minimum wins).
+- Weighted clip search (``col_weights`` given): the same factors, keeping per row the one with the smallest
+  ``sum_j d_j (dequant_j - w_j) ** 2`` for per-column weights ``d`` (e.g. what the GPTQ objective charges each
+  column's rounding); ``p = 1`` (min/max) is the first candidate, so the kept grid never scores worse than it.
 
 All functions are pure jnp and vmappable; shapes are (R, n) with rows as output channels.
 """
@@ -104,13 +107,17 @@ def fake_quantize(w, scale, zero, maxq: int):
     return dequantize(quantize(w, scale, zero, maxq), scale, zero)
 
 
-def fit(w: jax.Array, config: QuantConfig) -> Grid:
-    """Fits one grid per row of ``w`` (R, n) (float32) by min/max, then by the MSE clip search if enabled."""
+def fit(w: jax.Array, config: QuantConfig, col_weights: jax.Array | None = None) -> Grid:
+    """Fits one grid per row of ``w`` (R, n) (float32) by min/max, then by the MSE clip search if enabled.
+
+    ``col_weights`` float32 (n,) (non-negative): the clip search minimises the weighted squared error
+    ``sum_j col_weights[j] * (dequant - w)[:, j] ** 2`` instead (whatever ``config.mse``), over the same factors.
+    """
     w = w.astype(jnp.float32)
     maxq, sym = config.maxq, config.sym
     xmin, xmax = _range(w, sym)
     grid = _grid_from_range(xmin, xmax, maxq, sym, config.scale_dtype)
-    if config.mse <= 0:
+    if config.mse <= 0 and col_weights is None:
         return grid
     norm = float(config.mse)
     steps = int(config.mse_maxshrink * config.mse_grid)
@@ -119,8 +126,11 @@ def fit(w: jax.Array, config: QuantConfig) -> Grid:
         best, scale, zero = carry
         p = 1.0 - i.astype(jnp.float32) / config.mse_grid
         cand = _grid_from_range(p * xmin, p * xmax, maxq, sym, config.scale_dtype)
-        err = jnp.sum(jnp.abs(fake_quantize(w, cand.scale[..., None], cand.zero[..., None], maxq) - w) ** norm,
-                      axis=-1)
+        diff = fake_quantize(w, cand.scale[..., None], cand.zero[..., None], maxq) - w
+        if col_weights is None:
+            err = jnp.sum(jnp.abs(diff) ** norm, axis=-1)
+        else:
+            err = jnp.sum(col_weights.astype(jnp.float32) * (diff * diff), axis=-1)
         better = err < best
         return (jnp.where(better, err, best), jnp.where(better, cand.scale, scale),
                 jnp.where(better, cand.zero, zero))
@@ -130,17 +140,21 @@ def fit(w: jax.Array, config: QuantConfig) -> Grid:
     return Grid(scale, zero)
 
 
-def fit_groups(w: jax.Array, config: QuantConfig) -> Grid:
+def fit_groups(w: jax.Array, config: QuantConfig, col_weights: jax.Array | None = None) -> Grid:
     """Grids for every group of ``group_size`` consecutive columns of ``w`` (R, C) -> scale, zero (R, G).
 
-    ``group_size = -1`` gives one grid per row (G = 1).
+    ``group_size = -1`` gives one grid per row (G = 1). ``col_weights`` float32 (C,): the weighted clip search
+    of :func:`fit`, each group with its own columns' weights.
     """
     r, c = w.shape
     gs = c if config.group_size == -1 else config.group_size
     if c % gs:
         raise ValueError(f"weight of {c} columns is not a multiple of group_size {gs}")
     groups = w.reshape(r, c // gs, gs).transpose(1, 0, 2)  # (G, R, gs)
-    grid = jax.vmap(lambda g: fit(g, config))(groups)
+    if col_weights is None:
+        grid = jax.vmap(lambda g: fit(g, config))(groups)
+    else:
+        grid = jax.vmap(lambda g, d: fit(g, config, d))(groups, col_weights.reshape(c // gs, gs))
     return Grid(grid.scale.T, grid.zero.T)
 
 
