@@ -115,7 +115,8 @@ def test_sizes_are_the_bytes_the_formats_write():
 def test_candidates_follow_the_run_kind_and_the_row_width():
     ggml = PipelineConfig.build(None, format="q4_k", target_bpw=3.0)
     assert alloc.candidates(ggml, 512) == alloc.GGML_FAMILY
-    assert alloc.candidates(ggml, 96) == ("q8_0",)                            # only 32-blocks fit 96 columns
+    # only 32-blocks fit 96 columns: the default candidates take llama.cpp's 32-wide fallback types there
+    assert alloc.candidates(ggml, 96) == ("iq4_nl", "q4_0", "q5_0", "q5_1", "q8_0")
     plain = PipelineConfig.build(None, format="q4_k", target_bpw=3.0, importance="none")
     assert "iq2_xxs" not in alloc.candidates(plain, 512) and "q2_k" in alloc.candidates(plain, 512)
     grid = PipelineConfig.build(None, group_size=64, target_bpw=3.0)
