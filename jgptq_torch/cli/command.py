@@ -341,13 +341,18 @@ def _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_s
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     log(f"streaming {model_dir} ({dtype}) layer by layer; writing {args.export} to {files['out']} as the layers "
         f"finish", args.quiet)
-    with warnings_once() as shown:
-        if shortfall:
-            warnings.warn(shortfall, stacklevel=1)
-        result = quantize_folder(model_dir, ids, files["out"], cfg, export=args.export, tokenizer=tokenizer,
-                                 device=device, dtype=getattr(torch, dtype), checkpoint_dir=files["work"],
-                                 resume=args.resume, overwrite=args.overwrite,
-                                 trust_remote_code=args.trust_remote_code, max_shard_bytes=max_shard)
+    from jgptq_torch.write_errors import WriteError, failure_message, writing
+
+    try:
+        with warnings_once() as shown, writing(files["out"]):
+            if shortfall:
+                warnings.warn(shortfall, stacklevel=1)
+            result = quantize_folder(model_dir, ids, files["out"], cfg, export=args.export, tokenizer=tokenizer,
+                                     device=device, dtype=getattr(torch, dtype), checkpoint_dir=files["work"],
+                                     resume=args.resume, overwrite=args.overwrite,
+                                     trust_remote_code=args.trust_remote_code, max_shard_bytes=max_shard)
+    except WriteError as exc:  # a full disk: the path, what is kept, how to go on (as the loaded path says it)
+        raise CommandError(failure_message(exc, files["work"])) from exc
     return _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start)
 
 
