@@ -13,9 +13,9 @@ method shares is here:
 - the per-matrix figures (loss NaN where the method's solve was not kept) and labels of :class:`Solved`.
 
 A Hessian that no damping makes positive definite falls back to round-to-nearest inside the solver
-(``fallback``). The Hessian-weighted loss ``trace((W - Q) H (W - Q)^T)`` (:func:`hessian_loss`) and the Hessians
-of a bucket (:func:`bucket_hessians`: shared ones passed once, as (C, C), so their factorization is shared too)
-are here for the methods to use.
+(``fallback``). The Hessians of a bucket (:func:`bucket_hessians`: shared ones passed once, as (C, C), so their
+factorization is shared too) are here for the methods to use; the Hessian-weighted loss
+``trace((W - Q) H (W - Q)^T)`` is :func:`jgptq.objective.hessian_loss`.
 
 Example::
 
