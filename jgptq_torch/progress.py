@@ -46,12 +46,17 @@ class LayerProgress:
       enabled: False shows nothing.
       desc: the bar's title and the lines' prefix.
       eta: the lines also say about how long the layers left take, at the mean time of the layers so far.
+      slow_stage_s: in a log (not a terminal), a stage that took at least this many seconds gets a line of its own
+        when the next one begins, so that a long layer is not silent; quick stages stay out of the log.
     """
 
-    def __init__(self, start: int, n: int, *, enabled: bool = True, desc: str = "jgptq layers", eta: bool = False):
+    def __init__(self, start: int, n: int, *, enabled: bool = True, desc: str = "jgptq layers", eta: bool = False,
+                 slow_stage_s: float = 10.0):
         self.start, self.n, self.enabled, self.desc, self.eta = start, n, enabled, desc, eta
+        self.slow_stage_s = slow_stage_s
         self.layer = start
         self._bar = None
+        self._stage = None   # (name, start time) of the stage in progress
         if enabled and tqdm is not None and on_terminal():
             self._bar = tqdm(total=n, initial=start, desc=desc)
 
@@ -60,6 +65,7 @@ class LayerProgress:
         try:
             for i in range(self.start, self.n):
                 self.layer, t0 = i, time.perf_counter()
+                self._stage = None
                 yield i
                 if self._bar is not None:
                     self._bar.update(1)
@@ -75,6 +81,13 @@ class LayerProgress:
                 self._bar.close()
 
     def stage(self, name: str) -> None:
-        """Shows ``layer <i> <name>`` beside the bar (on a terminal; nothing elsewhere)."""
+        """Shows ``layer <i> <name>`` beside the bar on a terminal. In a log, writes a line when the stage that
+        ends here took ``slow_stage_s`` or more."""
         if self._bar is not None:
             self._bar.set_postfix_str(f"layer {self.layer} {name}")
+            return
+        now = time.perf_counter()
+        if self.enabled and self._stage is not None and now - self._stage[1] >= self.slow_stage_s:
+            print(f"{self.desc}: layer {self.layer} {self._stage[0]} took {now - self._stage[1]:.1f} s, {name} "
+                  f"next", file=sys.stderr, flush=True)
+        self._stage = (name, now)

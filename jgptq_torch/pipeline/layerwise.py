@@ -195,7 +195,7 @@ def _run_layers(run: Run, ckpt, start: int) -> None:
         report.add_time(start, "capture", time.perf_counter() - t0)
         placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device)
                                     + (0 if run.float_hidden is None else offload_mod.nbytes(hidden)))
-    progress = LayerProgress(start, n, enabled=run.cfg.progress)
+    progress = LayerProgress(start, n, enabled=run.cfg.progress, eta=True)
     for i in progress:
         layer = _timed_move(run, i, placement.fetch)
         if placement.source is not None:   # a streamed layer's weights exist only now: NaN/Inf named before work

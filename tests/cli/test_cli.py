@@ -235,9 +235,32 @@ def test_progress_in_a_log_file_is_one_line_per_layer(model_dir, env, tmp_path):
     assert done.returncode == 0, text[-3000:]
     assert "\r" not in text and "calibrate" not in text and "replay" not in text
     layer_lines = [line for line in text.splitlines() if line.startswith("jgptq layers")]
-    assert [re.sub(r"in \d+\.\d s", "in T s", line) for line in layer_lines] == [
-        "jgptq layers: 1/3 (layer 0 in T s)", "jgptq layers: 2/3 (layer 1 in T s)",
-        "jgptq layers: 3/3 (layer 2 in T s)"]
+    times = [re.sub(r"about \d+ s left", "about N s left", re.sub(r"in \d+\.\d s", "in T s", line))
+             for line in layer_lines]
+    assert times == ["jgptq layers: 1/3 (layer 0 in T s, about N s left)",
+                     "jgptq layers: 2/3 (layer 1 in T s, about N s left)", "jgptq layers: 3/3 (layer 2 in T s)"]
+
+
+def test_progress_in_a_log_names_only_the_slow_stages(monkeypatch):
+    import io
+
+    from jgptq_torch import progress as progress_mod
+
+    clock = iter([0.0,            # the loop begins
+                  0.0, 1.0, 31.0,  # layer 0 begins; "calibrate" at 1 s; "solve" at 31 s (calibrate took 30 s)
+                  33.0, 40.0,      # "replay" at 33 s (solve took 2 s: no line); layer 0 ends at 40 s
+                  40.0, 41.0, 42.0])  # layer 1 begins; "calibrate" at 41 s (the earlier stage is layer 0's: none)
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    layers = progress_mod.LayerProgress(0, 2, eta=True)
+    for i in layers:
+        for name in ("calibrate", "solve", "replay") if i == 0 else ("calibrate",):
+            layers.stage(name)
+    assert log.getvalue().splitlines() == [
+        "jgptq layers: layer 0 calibrate took 30.0 s, solve next",
+        "jgptq layers: 1/2 (layer 0 in 40.0 s, about 40 s left)",
+        "jgptq layers: 2/2 (layer 1 in 2.0 s)"]
 
 
 def test_progress_on_a_terminal_names_the_stage(monkeypatch):
