@@ -45,11 +45,11 @@ from jgptq_torch.pipeline import importance
 from jgptq_torch import models
 from jgptq_torch.progress import LayerProgress
 from jgptq_torch.pipeline import run_setup
-from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
+from jgptq_torch.pipeline.inputs import capture_inputs
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
-from jgptq import statistics
 from jgptq.objective import hessian_loss
 from jgptq.surface import on_command_line, option
 
@@ -130,14 +130,8 @@ def measure(run, free: dict, gains) -> dict:
         t0 = time.perf_counter()
         layer = placement.fetch(i)
         target = run.targets[i]
-        collector = capture.Collector(target.linears, target.experts, statistics.calibration(
-            cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
-        outputs = []
-        with collector.attach():
-            for b, batch in enumerate(run.batch_list):
-                rest, kw = layer_inputs[b][i]
-                with collector.batch(batch.attention_mask.to(hidden[b].device)):
-                    outputs.append(run_layer(layer, hidden[b], rest, kw))
+        collector, outputs = calibrate(layer, i, target, statistics_of(cfg), hidden, layer_inputs, run.batch_list,
+                                       keep_outputs=True)
         base = f"{run.prefix}.{i}"
         stats = importance.layer_imatrix(collector, run.prefix, i, target)
         stacks = [s for s in layer_stacks(collector, target, base, run.plan, cfg, stats if run.given is None
