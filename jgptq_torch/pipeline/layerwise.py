@@ -117,6 +117,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source)
     run.report.allocation = allocation or {}
     saved = None if checkpoint_dir is None else hooks.Resume.open(run, checkpoint_dir, resume, source)
+    # in this order: the sink starts with the restored records; the offload's budget check counts the float
+    # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
                        float_stream.FloatStream() if float_stream.enabled(cfg, imatrix) else None,
                        hooks.WarmUp(), hooks.Offload()])
