@@ -101,6 +101,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
     """Runs the pipeline once with synchronized timers around the calibrate stage's functions."""
     import jax
 
+    from jgptq_torch.pipeline import calibrate as calibrate_mod
     from jgptq_torch.pipeline import capture
     from jgptq_torch.pipeline import experts_capture
     from jgptq_torch.pipeline import layerwise
@@ -120,7 +121,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
         with sec.section("layer forward"):
             return run_layer.fn(layer, hs, rest, kwargs)
 
-    run_layer.fn = layerwise.run_layer
+    run_layer.fn = calibrate_mod.run_layer   # the calibration forwards run in jgptq_torch.pipeline.calibrate
     update_group = statistics.update_group  # the statistics chain's sums of a group of experts, one program
 
     def timed_group(*a, **k):
@@ -129,7 +130,7 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
             jax.block_until_ready(res)
         return res
 
-    patches = [(layerwise, "_layer_step", process_layer), (layerwise, "run_layer", run_layer),
+    patches = [(layerwise, "_layer_step", process_layer), (calibrate_mod, "run_layer", run_layer),
                (statistics, "update_group", timed_group)]
     for owner, attr, new in patches:
         originals.append((owner, attr, getattr(owner, attr)))

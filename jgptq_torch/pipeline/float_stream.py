@@ -9,16 +9,18 @@ layer runs once more on every batch with a capture of the importance statistic a
 next layer's float inputs. The first layer's float inputs are the run's own, so its calibration forward serves
 both. Cost: one more forward of every layer but the first per batch, and one more set of a layer's hidden states
 (every batch) in memory; no first pass over the whole model, so layers that live off the device are fetched once.
+
+:class:`FloatStream` is the run's hook (:mod:`jgptq_torch.pipeline.step`); the stream itself is
+``run.float_hidden`` (a resumable run saves and restores it with the replay's inputs).
 """
 
 from __future__ import annotations
 
 import time
 
-from jgptq_torch.pipeline import capture
-from jgptq_torch.pipeline.inputs import run_layer
-from jgptq_torch.progress import stage_bar
 from jgptq import statistics
+from jgptq_torch.pipeline.calibrate import calibrate
+from jgptq_torch.pipeline.step import Hook, LayerStep
 
 
 def enabled(cfg, given) -> bool:
@@ -27,21 +29,44 @@ def enabled(cfg, given) -> bool:
     return cfg.imatrix_source == "float" and given is None
 
 
-def float_pass(run, i: int, layer, layer_inputs: list):
-    """Runs float layer ``i`` on the float stream's inputs ``run.float_hidden`` (one (B, S, H) tensor per batch).
+class FloatStream(Hook):
+    """Carries ``run.float_hidden`` (one (B, S, H) tensor per batch: the current layer's float inputs; None after
+    the last layer) and hands each layer's step the importance statistic collected on it."""
 
-    Returns the :class:`jgptq_torch.pipeline.capture.Collector` of the importance statistic over those inputs (routed tokens
-    only for experts), and sets ``run.float_hidden`` to the layer's outputs (None after the last layer).
-    """
-    target, cfg = run.targets[i], run.cfg
-    collector = capture.Collector(target.linears, target.experts, {statistics.IMATRIX: statistics.importance()})
-    t0 = time.perf_counter()
-    outputs = []
-    with collector.attach():
-        for b, batch in enumerate(stage_bar(run.batch_list, desc=f"layer {i} float", enabled=cfg.progress)):
-            rest, kw = layer_inputs[b][i]
-            with collector.batch(batch.attention_mask.to(run.float_hidden[b].device)):
-                outputs.append(run_layer(layer, run.float_hidden[b], rest, kw))
-    run.float_hidden = outputs if i < len(run.layers) - 1 else None
-    run.report.add_time(i, "float", time.perf_counter() - t0)
-    return collector
+    def __init__(self):
+        self.shared = False
+
+    def inputs(self, run, first: int, hidden: list, layer_inputs: list) -> list:
+        if run.float_hidden is None:   # not restored: the stream starts from the run's own inputs
+            run.float_hidden = hidden
+        return hidden
+
+    def before_calibrate(self, run, step: LayerStep) -> None:
+        # the float stream's inputs are the run's (the first layer): the calibration forward serves both
+        target = run.targets[step.index]
+        self.shared = run.float_hidden is step.hidden and bool(target.linears or target.experts)
+        if self.shared and step.index < len(run.layers) - 1:
+            step.keep_outputs = True
+
+    def after_calibrate(self, run, step: LayerStep) -> None:
+        if run.float_hidden is None:
+            return
+        step.stage("float")
+        if self.shared:
+            run.float_hidden = step.outputs
+            return
+        step.imatrix_from = self.float_pass(run, step)
+
+    @staticmethod
+    def float_pass(run, step: LayerStep):
+        """Runs float layer ``step.index`` on the float stream's inputs; returns the
+        :class:`jgptq_torch.pipeline.capture.Collector` of the importance statistic over them (routed tokens only
+        for experts), and moves the stream on to the layer's outputs (None after the last layer)."""
+        i = step.index
+        t0 = time.perf_counter()
+        collector, outputs = calibrate(step.layer, i, run.targets[i], {statistics.IMATRIX: statistics.importance()},
+                                       run.float_hidden, step.layer_inputs, run.batch_list, keep_outputs=True,
+                                       desc=f"layer {i} float", progress=run.cfg.progress)
+        run.float_hidden = outputs if i < len(run.layers) - 1 else None
+        run.report.add_time(i, "float", time.perf_counter() - t0)
+        return collector

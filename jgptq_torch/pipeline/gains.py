@@ -131,19 +131,23 @@ def draw_labels(logits: torch.Tensor, generator: torch.Generator, rows: int = 40
     return torch.cat(out).to(logits.device)
 
 
-def fisher_gains(model, batch_list, *, seed: int = 0) -> dict:
+def fisher_gains(model, batch_list, *, seed: int = 0, decoder=None) -> dict:
     """The gain of every target matrix of ``model``'s decoder layers (module docstring).
 
     Args:
       model: a transformers causal LM (float weights), where it was loaded.
       batch_list: :class:`jgptq_torch.pipeline.calib.Batch` es (``input_ids``, ``attention_mask``: padding is left out).
       seed: seed of the labels drawn from the model's next-token distribution.
+      decoder: (prefix, decoder layers, their :class:`jgptq_torch.models.LayerTargets`) when the run found them
+        already (default: found here, every target).
     Returns:
       model parameter name -> float64 numpy (count,): the mean squared gradient per output entry of each matrix
       of the parameter (count = experts, or 1), 0 for an expert no calibration token reached.
     """
-    prefix, layers = models.find_decoder_layers(model)
-    found = [models.layer_targets(layer) for layer in layers]
+    if decoder is None:
+        prefix, layers = models.find_decoder_layers(model)
+        decoder = prefix, layers, [models.layer_targets(layer) for layer in layers]
+    prefix, layers, found = decoder
     emb = model.get_input_embeddings()
     device = emb.weight.device
     sums, state = _Sums(), {"keep": None}

@@ -17,8 +17,9 @@ Before any work: the config is validated, every target matrix is planned (:func:
 format, exclusions, block fallbacks; bad widths are errors here), the device budget is checked. Then, per decoder
 layer (:func:`_layer_step`):
 
-1. calibrate: the layer runs on every batch with float weights; hooks and the capture experts implementation
-   (:mod:`jgptq_torch.pipeline.capture`) sum each target's input rows into float32 Hessians in JAX (via DLPack, no copies);
+1. calibrate (:func:`jgptq_torch.pipeline.calibrate.calibrate`): the layer runs on every batch with float weights;
+   forward hooks and the capture experts implementation (:mod:`jgptq_torch.pipeline.capture`) sum each target's
+   input rows into float32 Hessians in JAX (via DLPack, no copies);
 2. solve: matrices are grouped by shape and plan, and each bucket is quantized by ONE call of
    :func:`jgptq.bucket.quantize_bucket` (all experts of a shape at once; shared Hessians stay shared; its
    fallbacks are reported);
@@ -26,9 +27,11 @@ layer (:func:`_layer_step`):
    the records of ``result.weights`` are made on a worker thread while the next layer runs (``store``);
 4. replay: the layer runs again with quantized weights; its outputs are the next layer's inputs.
 
-Around the step, small hooks: layer moves (:mod:`jgptq_torch.pipeline.offload`), compiling a new layer's solves ahead
-(:func:`jgptq_torch.pipeline.solve.warm_solves`) and the state of a resumable run (:mod:`jgptq_torch.pipeline.resume`), written after every
-layer when ``checkpoint_dir`` is given.
+Around the step, hooks (:mod:`jgptq_torch.pipeline.step` names the points where they are called;
+:mod:`jgptq_torch.pipeline.hooks`): the layers' moves (:mod:`jgptq_torch.pipeline.offload`), the state of a
+resumable run, written after every layer when ``checkpoint_dir`` is given (:mod:`jgptq_torch.pipeline.resume`),
+compiling a new layer's solves ahead (:func:`jgptq_torch.pipeline.solve.warm_solves`), the float model's stream
+(:mod:`jgptq_torch.pipeline.float_stream`) and a ``sink`` that writes the records as the layers finish.
 
 All of a layer's Hessians come from the float layer (its modules are not solved one after the other): this lets
 every same-shape matrix of the layer go into a single batched solve, the form that spreads over devices. Error
@@ -40,34 +43,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 import warnings
 
 import jax
 import torch
 
-from jgptq_torch.pipeline import capture
-from jgptq_torch.pipeline import float_stream
-from jgptq_torch.pipeline import importance
+from jgptq import xla_options
+from jgptq.config import PipelineConfig
 from jgptq_torch import models
-from jgptq_torch.pipeline import run_setup
-from jgptq_torch.pipeline import offload as offload_mod
-from jgptq_torch.pipeline import resume as resume_mod
-from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
+from jgptq_torch.pipeline import capture, float_stream, hooks, importance, run_setup
+from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
-from jgptq_torch.report import ModuleRecord, QuantizeResult
-from jgptq_torch.pipeline.solve import layer_stacks, solve_layer, solve_shapes, warm_solves
-from jgptq_torch.progress import LayerProgress, stage_bar
-from jgptq.surface import option
 from jgptq_torch.pipeline.run_setup import Run
-from jgptq import statistics, xla_options
-from jgptq.config import PipelineConfig
-
-
-SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a sink writes beside the run
+from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
+from jgptq_torch.pipeline.step import Hooks, LayerStep
+from jgptq_torch.progress import LayerProgress, stage_bar
+from jgptq_torch.report import ModuleRecord, QuantizeResult
 
 
 def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None, devices=None,
@@ -122,125 +116,64 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
                                  checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
     run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source)
     run.report.allocation = allocation or {}
-    ckpt, start = None, 0
-    if checkpoint_dir is not None:
-        digest = source.source.fingerprint() if source is not None else None
-        ckpt = resume_mod.Checkpoint(checkpoint_dir, resume_mod.fingerprint(model, run.batch_list, cfg,
-                                                                            len(run.layers), imatrix=imatrix,
-                                                                            model_digest=digest),
-                                     resume=resume)
-        start = ckpt.open()
-        if start and cfg.progress:   # said once the state is known to match, never before a refusal
-            print(f"jgptq: continuing the run whose state is in {checkpoint_dir} ({start} layers done; "
-                  f"{option('no_resume')} starts over)", file=sys.stderr, flush=True)
-        for i in range(start):
-            resume_mod.restore_layer(ckpt, i, run.targets[i], run.prefix, run.names, run.result)
+    saved = None if checkpoint_dir is None else hooks.Resume.open(run, checkpoint_dir, resume, source)
+    # in this order: the sink starts with the restored records; the offload's budget check counts the float
+    # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
+    run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
+                       float_stream.FloatStream() if float_stream.enabled(cfg, imatrix) else None,
+                       hooks.WarmUp(), hooks.Offload()])
     has_experts = any(t.experts for t in run.targets)
     was_training = model.training
     model.eval()
-    failed = True
-    interval = sys.getswitchinterval()
+    error = None
     try:
-        if sink is not None:
-            sink.start(model, run.result)
-            run.stores.sink = sink
-            # a sink that writes the records as they come (a checkpoint folder): the run does not keep them (with
-            # a resume state, each layer's are saved first, then dropped)
-            run.stores.keep_records = ckpt is not None or not getattr(sink, "releases_records", False)
-            # The writer thread holds Python's lock between its file writes; at the default 5 ms switch interval
-            # each of the many short waits of the thread that drives the GPU could cost up to 5 ms (on the H200,
-            # 0.06 s a layer of a 30B MoE model's solve).
-            sys.setswitchinterval(min(interval, SINK_SWITCH_INTERVAL))
         with torch.no_grad(), (capture.experts_implementation(model) if has_experts else contextlib.nullcontext()):
-            _run_layers(run, ckpt, start)
-        if sink is not None:
-            t0 = time.perf_counter()
-            sink.finish(run.result)
-            run.report.add_time(max(len(run.layers) - 1, 0), "export", time.perf_counter() - t0)
-        failed = False
+            _run_layers(run, 0 if saved is None else saved.done)
+        run.hooks.finish(run)
     except BaseException as exc:
-        if sink is not None:
-            sink.abort()
-        note = run.placement.failure_note()
-        if note:
-            exc.add_note(note)
+        error = exc
         raise
     finally:
-        sys.setswitchinterval(interval)
         run.stores.close()
         model.train(was_training)
-        run_setup.finish(run.placement, failed)
-    run.report.memory = run.placement.memory
+        run.hooks.close(run, error)
     for w in run.report.warnings:
         if w not in run.said:
             warnings.warn(w, stacklevel=2)
     return run.result
 
 
-def _run_layers(run: Run, ckpt, start: int) -> None:
-    """Captures the layers' inputs, then runs :func:`_layer_step` on every layer from ``start``, with the moves
-    and the resumable state around it."""
-    n, report, placement = len(run.layers), run.report, run.placement
+def _run_layers(run: Run, start: int) -> None:
+    """Captures the inputs of layer ``start``, then runs :func:`_layer_step` on every layer from there, with the
+    run's hooks around it (:mod:`jgptq_torch.pipeline.step`)."""
+    n, report = len(run.layers), run.report
+    run.hooks.start(run, start)
     if start < n:
-        placement.prepare()
         t0 = time.perf_counter()
-        source = placement.source   # a streamed model: its input embedding is read for the capture only
+        source = run.placement.source   # a streamed model: its input embedding is read for the capture only
         with source.embedding(run.device) if source is not None else contextlib.nullcontext():
-            placement.book()
+            run.placement.book()
             hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
-        if start:
-            hidden = ckpt.load_hidden(start, run.device)
-        if float_stream.enabled(run.cfg, run.given):
-            run.float_hidden = ckpt.load_hidden(start, run.device, stream="float") if start else hidden
+        hidden = run.hooks.inputs(run, start, hidden, layer_inputs)
         report.add_time(start, "capture", time.perf_counter() - t0)
-        placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device)
-                                    + (0 if run.float_hidden is None else offload_mod.nbytes(hidden)))
     progress = LayerProgress(start, n, enabled=run.cfg.progress, eta=True)
     for i in progress:
-        layer = _timed_move(run, i, placement.fetch)
-        if placement.source is not None:   # a streamed layer's weights exist only now: NaN/Inf named before work
-            weight_checks.check_finite_weights(run.targets[i:i + 1], run.prefix, first=i)
-        marks, before = (len(report.records), len(report.warnings)), set(run.result.weights)
-        hidden = _layer_step(run, i, layer, hidden, layer_inputs, stage=progress.stage)
-        _timed_move(run, i, placement.put_back)
-        if ckpt is not None:
-            run.stores.collect(run.result.weights, report)
-            ckpt.save_layer(i, {k: v for k, v in run.result.weights.items() if k not in before},
-                            resume_mod.report_part(report, i, run.prefix, marks), None if i == n - 1 else hidden,
-                            importance.layer_entries(run.result.imatrix, run.prefix, i, run.targets[i]),
-                            None if i == n - 1 else run.float_hidden)
-        if ckpt is not None and getattr(run.stores.sink, "releases_records", False):
-            run.result.weights.clear()      # in the resume state and handed to the sink: not kept in memory
+        run.hooks.before_layer(run, i)
+        hidden = _layer_step(run, i, run.layers[i], hidden, layer_inputs, stage=progress.stage)
+        run.hooks.after_layer(run, i, hidden)
     run.stores.collect(run.result.weights, report)
 
 
-def _timed_move(run: Run, i: int, move):
-    t0 = time.perf_counter()
-    out = move(i)
-    if run.placement.moves:
-        run.report.add_time(i, "offload", time.perf_counter() - t0)
-    return out
-
-
 def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage=lambda name: None) -> list:
-    """One decoder layer: calibrate -> solve -> write back -> replay, each named to ``stage`` as it starts.
-    Returns the next layer's inputs."""
-    target = run.targets[i]
-    stage("compile")
-    warm = _warm_up(run, target)
+    """One decoder layer: calibrate -> solve -> write back -> replay, each named to ``stage`` as it starts, with
+    the hooks' points inside (:class:`jgptq_torch.pipeline.step.LayerStep`). Returns the next layer's inputs."""
+    step = LayerStep(i, layer, hidden, layer_inputs, stage)
+    run.hooks.before_calibrate(run, step)
     stage("calibrate")
-    # the float stream's inputs are this run's (the first layer): the calibration forward serves both
-    shared = run.float_hidden is hidden and bool(target.linears or target.experts)
-    outputs = [] if shared and i < len(run.layers) - 1 else None
-    collector = _calibrate(run, i, layer, hidden, layer_inputs, outputs)
-    imatrix_from = collector
-    if run.float_hidden is not None:
-        stage("float")
-        imatrix_from = collector if shared else float_stream.float_pass(run, i, layer, layer_inputs)
-        if shared:
-            run.float_hidden = outputs
+    _calibrate(run, step)
+    run.hooks.after_calibrate(run, step)
     stage("solve")
-    solved = _solve(run, i, collector, warm, imatrix_from)
+    solved = _solve(run, step)
     _write_back(run, i, solved)
     if i == len(run.layers) - 1:
         return hidden
@@ -248,43 +181,28 @@ def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage
     return _replay(run, i, layer, hidden, layer_inputs)
 
 
-def _warm_up(run: Run, target):
-    """A layer of new shapes: its solve programs compile beside its calibration (a thread, or None)."""
-    shapes = solve_shapes(target)
-    if shapes <= run.warmed:
-        return None
-    run.warmed.update(shapes)
-    return warm_solves(target, run.cfg, devices=run.devices)
-
-
-def _calibrate(run: Run, i: int, layer, hidden: list, layer_inputs: list, outputs: list = None):
-    """Runs the float layer on every batch with the capture attached; returns the filled Collector (the layer's
-    outputs are appended to ``outputs`` when it is a list)."""
-    target, cfg = run.targets[i], run.cfg
-    collector = capture.Collector(target.linears, target.experts, statistics.calibration(
-        cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
+def _calibrate(run: Run, step: LayerStep) -> None:
+    """Runs the float layer on every batch with the capture attached (:func:`jgptq_torch.pipeline.calibrate.
+    calibrate`): the step's Collector, and its outputs when a hook asked for them."""
+    i, target, cfg = step.index, run.targets[step.index], run.cfg
     t0 = time.perf_counter()
+    step.collector, step.outputs = calibrate(step.layer, i, target, statistics_of(cfg), step.hidden,
+                                             step.layer_inputs, run.batch_list, keep_outputs=step.keep_outputs,
+                                             desc=f"layer {i} calibrate", progress=cfg.progress)
     if target.linears or target.experts:
-        with collector.attach():
-            for b, batch in enumerate(stage_bar(run.batch_list, desc=f"layer {i} calibrate", enabled=cfg.progress)):
-                rest, kw = layer_inputs[b][i]
-                with collector.batch(batch.attention_mask.to(hidden[b].device)):
-                    out = run_layer(layer, hidden[b], rest, kw)
-                if outputs is not None:
-                    outputs.append(out)
-        jax.block_until_ready([s for s in collector.states.values()])
-        run.placement.note_hessians(collector.states)
+        jax.block_until_ready([s for s in step.collector.states.values()])
+        run.placement.note_hessians(step.collector.states)
     run.report.add_time(i, "calibrate", time.perf_counter() - t0)
-    return collector
 
 
-def _solve(run: Run, i: int, collector, warm, imatrix_from=None) -> list:
-    """The layer's importance statistic (from ``imatrix_from``, default ``collector``), expert coverage and one
-    quantize call per bucket."""
+def _solve(run: Run, step: LayerStep) -> list:
+    """The layer's importance statistic (from ``step.imatrix_from``, default its collector), expert coverage and
+    one quantize call per bucket."""
     t0 = time.perf_counter()
+    i, collector = step.index, step.collector
     target, base, report = run.targets[i], f"{run.prefix}.{i}", run.report
     threshold = run.cfg.moe.threshold(collector.batch_tokens)
-    stats = importance.layer_imatrix(imatrix_from or collector, run.prefix, i, target)
+    stats = importance.layer_imatrix(step.imatrix_from or collector, run.prefix, i, target)
     run.result.imatrix.update(stats)
     stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats if run.given is None else run.given)
     for name, counts in collector.routed.items():
@@ -296,8 +214,7 @@ def _solve(run: Run, i: int, collector, warm, imatrix_from=None) -> list:
     if run.cfg.keep_hessians:
         for key in collector.states:
             run.result.hessians[(i, key)] = collector.hessian(key)
-    if warm is not None:
-        warm.join()
+    run.hooks.before_solve(run, step)
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
     for m, _, stack, res in solved:

@@ -42,7 +42,7 @@ class Run:
     float_hidden: list = None    # the float model's stream (imatrix_source="float"): layer i's inputs when all
                                  # earlier layers are float, one tensor per batch; None without that stream
     stores: Stores = dataclasses.field(default_factory=Stores)
-    warmed: set = dataclasses.field(default_factory=set)
+    hooks: object = None         # what goes around the layer step (jgptq_torch.pipeline.step.Hooks)
     said: set = dataclasses.field(default_factory=set)   # warnings already shown
 
     @property

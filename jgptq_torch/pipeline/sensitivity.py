@@ -7,6 +7,11 @@ MLPs) is a group of its own. Matrices that ``formats`` rules or ``exclude`` patt
 stay in floating point, 16 bits per weight) and are fixed costs of the budget. Embeddings and the output head are
 not decoder-layer targets: they keep their normal handling and are outside the budget.
 
+Layout (:func:`_layout`). Before any work, every decoder-layer target is resolved once into a :class:`Layout`:
+the fixed matrices with their sizes, and for every free matrix its candidates (:func:`jgptq.allocate.candidates`),
+each with its exact size and the plan the first pass solves it with. The reach check, the line that says what the
+pass will do, the measurement and the allocation all read it.
+
 Measure (:func:`measure`). The float model runs layer by layer, as the pipeline does, but each layer's outputs
 come from its float weights (the calibration forward's own outputs), so every layer is measured against float
 inputs and no candidate's error leaks into another layer's figures. For each layer, its matrices are solved under
@@ -34,24 +39,23 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jgptq_torch.pipeline import capture
-from jgptq_torch.pipeline import importance
-from jgptq_torch import models
-from jgptq_torch.progress import LayerProgress
-from jgptq_torch.pipeline import run_setup
-from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
-from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
-from jgptq import statistics
 from jgptq.objective import hessian_loss
 from jgptq.surface import on_command_line, option
+from jgptq_torch import models
+from jgptq_torch.pipeline import capture, importance, run_setup
+from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
+from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
+from jgptq_torch.progress import LayerProgress
 
 ALLOCATION_FILE = "allocation.json"
 
@@ -62,9 +66,43 @@ def group_name(name: str) -> str:
     return re.sub(r"(^|\.)experts\.\d+\.", r"\1experts.*.", name)
 
 
-def _layout(cfg, prefix: str, layers):
-    """(free matrices: param -> (layer, group, Matrix, candidates), fixed: param -> (format or "float", bits),
-    weights of every target)."""
+class Candidate(NamedTuple):
+    """A candidate format of a free matrix: its exact size in ``bits`` (:func:`jgptq.allocate.tensor_bits`) and
+    the :class:`jgptq.bucket.MatrixPlan` the first pass solves it with (:func:`jgptq.plan.plan_matrix` with this
+    candidate in place of the run's choice)."""
+
+    bits: int
+    plan: object
+
+
+class Free(NamedTuple):
+    """A matrix whose format the budget chooses: its decoder ``layer``, its ``group`` (:func:`group_name`), the
+    :class:`jgptq_torch.models.Matrix` and its ``candidates`` (format -> :class:`Candidate`, in the order of
+    :func:`jgptq.allocate.candidates`)."""
+
+    layer: int
+    group: str
+    matrix: object
+    candidates: dict
+
+
+class Layout(NamedTuple):
+    """Every decoder-layer target of a ``target_bpw`` run, resolved once before any work: ``free`` (param ->
+    :class:`Free`), ``fixed`` (param -> (format or ``"float"``, bits): the matrices a ``formats`` or ``exclude``
+    rule holds) and ``weights`` (of every target: what the budget is counted over)."""
+
+    free: dict
+    fixed: dict
+    weights: int
+
+
+def _layout(cfg, prefix: str, layers) -> Layout:
+    """The :class:`Layout` of the decoder ``layers`` (named ``prefix.<i>``) under ``cfg``: every matrix's rule,
+    candidates, their sizes and plans, decided here once.
+
+    Raises:
+      ValueError: a free matrix that no candidate fits.
+    """
     found = [models.layer_targets(layer) for layer in layers]
     n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
     free, fixed, weights = {}, {}, 0
@@ -84,17 +122,11 @@ def _layout(cfg, prefix: str, layers):
                 raise ValueError(f"{param}: no candidate format of target_bpw ({offered}) fits its {m.cols} input "
                                  f"columns; give it a format with {option('formats')} or leave it unquantized "
                                  f"with {option('exclude')}")
-            free[param] = (i, group_name(m.name), m, names)
-    return free, fixed, weights
-
-
-def _candidate_plan(run, free_entry, param: str, fmt: str):
-    """The :class:`jgptq.bucket.MatrixPlan` of a free matrix under candidate ``fmt``
-    (:func:`jgptq.plan.plan_matrix`)."""
-    layer, _, m, _ = free_entry
-    target = plan_mod.Target(m.name, layer, m.cols, param, m.layout is not None)
-    plan, _ = plan_mod.plan_matrix(run.cfg, target, len(run.layers), 0, candidate=fmt)
-    return plan
+            target = plan_mod.Target(m.name, i, m.cols, param, m.layout is not None)
+            free[param] = Free(i, group_name(m.name), m, {
+                f: Candidate(alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant),
+                             plan_mod.plan_matrix(cfg, target, len(layers), 0, candidate=f)[0]) for f in names})
+    return Layout(free, fixed, weights)
 
 
 @jax.jit
@@ -120,8 +152,9 @@ def _costs(run, collector, free: dict, gains: dict, solved: list) -> dict:
 
 
 def measure(run, free: dict, gains) -> dict:
-    """param -> {format: float64 (count,) costs}: every free matrix solved under each of its candidates, layer
-    by layer on float inputs (module docstring). ``run``: a :class:`jgptq_torch.pipeline.run_setup.Run` of a probe config."""
+    """param -> {format: float64 (count,) costs}: every free matrix (``free``: :attr:`Layout.free`) solved under
+    each of its candidates' plans, layer by layer on float inputs (module docstring). ``run``: a
+    :class:`jgptq_torch.pipeline.run_setup.Run` of a probe config."""
     cfg, placement, report = run.cfg, run.placement, run.report
     placement.prepare()
     hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
@@ -130,22 +163,16 @@ def measure(run, free: dict, gains) -> dict:
         t0 = time.perf_counter()
         layer = placement.fetch(i)
         target = run.targets[i]
-        collector = capture.Collector(target.linears, target.experts, statistics.calibration(
-            cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts"))
-        outputs = []
-        with collector.attach():
-            for b, batch in enumerate(run.batch_list):
-                rest, kw = layer_inputs[b][i]
-                with collector.batch(batch.attention_mask.to(hidden[b].device)):
-                    outputs.append(run_layer(layer, hidden[b], rest, kw))
+        collector, outputs = calibrate(layer, i, target, statistics_of(cfg), hidden, layer_inputs, run.batch_list,
+                                       keep_outputs=True)
         base = f"{run.prefix}.{i}"
         stats = importance.layer_imatrix(collector, run.prefix, i, target)
         stacks = [s for s in layer_stacks(collector, target, base, run.plan, cfg, stats if run.given is None
                                           else run.given) if s[1] in free]
         threshold = cfg.moe.threshold(collector.batch_tokens)
-        for fmt in sorted({f for _, p, _ in stacks for f in free[p][3]}):
-            chosen = [s for s in stacks if fmt in free[s[1]][3]]
-            plan = plan_mod.Plan({p: _candidate_plan(run, free[p], p, fmt) for _, p, _ in chosen}, {}, [], [])
+        for fmt in sorted({f for _, p, _ in stacks for f in free[p].candidates}):
+            chosen = [s for s in stacks if fmt in free[s[1]].candidates]
+            plan = plan_mod.Plan({p: free[p].candidates[fmt].plan for _, p, _ in chosen}, {}, [], [])
             for param, c in _costs(run, collector, free, gains, solve_layer(chosen, plan, threshold,
                                                                             devices=run.devices)).items():
                 costs.setdefault(param, {})[fmt] = c
@@ -157,7 +184,8 @@ def measure(run, free: dict, gains) -> dict:
 
 
 def allocation_of(cfg, free: dict, fixed: dict, weights: int, costs: dict, gains) -> dict:
-    """The allocation record (the report's ``allocation`` section) of measured ``costs`` under ``cfg``."""
+    """The allocation record (the report's ``allocation`` section) of measured ``costs`` under ``cfg``
+    (``free``, ``fixed``, ``weights``: the run's :class:`Layout`)."""
     groups: dict = {}
     for param, (layer, name, m, names) in free.items():
         groups.setdefault((layer, name), []).append((param, m, names))
@@ -170,8 +198,7 @@ def allocation_of(cfg, free: dict, fixed: dict, weights: int, costs: dict, gains
                      "weights": sum(m.count * m.rows * m.cols for _, m, _ in members),
                      "gain": float(np.mean(gain)) if gain else 1.0,
                      "costs": {f: float(sum(costs[p][f].sum() for p, _, _ in members)) for f in names},
-                     "bytes_by_format": {f: sum(alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant)
-                                                for _, m, _ in members) // 8 for f in names}})
+                     "bytes_by_format": {f: sum(ms[f].bits for _, _, ms in members) // 8 for f in names}})
     record = {"gain": cfg.target_gain, "weights": weights,
               "fixed": [{"param": p, "format": f, "bytes": b // 8} for p, (f, b) in sorted(fixed.items())],
               "groups": rows}
@@ -209,13 +236,14 @@ def _refuse_below(target_bpw, budget: int, weights: int, least: int, cheapest: s
                          f"{option('target_formats') if on_command_line() else 'target_formats'}")
 
 
-def reachable(cfg, free: dict, fixed: dict, weights: int) -> tuple:
-    """(least, most) bits of every decoder-layer target (``weights`` of them): each free matrix at its cheapest
-    and at its largest candidate, fixed ones at their size; plus the sets of those cheapest and largest formats."""
+def reachable(free: dict, fixed: dict, weights: int) -> tuple:
+    """(least, most) bits of every decoder-layer target (``weights`` of them; ``free``, ``fixed``: the run's
+    :class:`Layout`): each free matrix at its cheapest and at its largest candidate, fixed ones at their size; plus
+    the sets of those cheapest and largest formats."""
     least = most = sum(b // 8 * 8 for _, b in fixed.values())
     cheapest, largest = set(), set()
-    for param, (_, _, m, names) in free.items():
-        sizes = {f: alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant) for f in names}
+    for *_, candidates in free.values():
+        sizes = {f: c.bits for f, c in candidates.items()}
         small, big = min(sizes, key=sizes.get), max(sizes, key=sizes.get)
         least, most = least + sizes[small] // 8 * 8, most + sizes[big] // 8 * 8
         cheapest.add(small)
@@ -227,7 +255,7 @@ def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
     """Refuses a target below every tensor at its cheapest candidate, or above every tensor at its largest one
     (a run there would measure everything and then write the largest formats); both messages give the range the
     candidates reach."""
-    least, most, cheapest, largest = reachable(cfg, free, fixed, weights)
+    least, most, cheapest, largest = reachable(free, fixed, weights)
     budget = math.floor(cfg.target_bpw * weights)
     if free and budget > most:
         raise ValueError(f"{option('target_bpw', float(cfg.target_bpw))} is above the {most / weights:.4g} bits per "
@@ -242,7 +270,7 @@ def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int) -> str:
     """What the first pass of a ``target_bpw`` run is about to do, and its cost in solves, as one line: the
     number of candidate formats, the solves (each free matrix stack once per candidate: the normal run solves
     each once) and the range the candidates reach."""
-    least, most, _, _ = reachable(cfg, free, fixed, weights)
+    least, most, _, _ = reachable(free, fixed, weights)
     formats = sorted({f for *_, names in free.values() for f in names},
                      key=lambda f: (alloc.tensor_bits(f, 1, 256, 1, cfg.quant), f))
     solves = sum(len(names) for *_, names in free.values())
@@ -296,10 +324,10 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     from jgptq_torch.pipeline.gains import fisher_gains
 
     prefix, layers = models.find_decoder_layers(model)
-    free, fixed, weights = _layout(cfg, prefix, layers)
-    _check_reachable(cfg, free, fixed, weights)   # before any work
+    layout = _layout(cfg, prefix, layers)
+    _check_reachable(cfg, *layout)   # before any work
     if cfg.progress:
-        print(plan_line(cfg, free, fixed, weights, len(layers)), file=sys.stderr, flush=True)
+        print(plan_line(cfg, *layout, len(layers)), file=sys.stderr, flush=True)
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
@@ -317,19 +345,19 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     gains = None
     if cfg.target_gain == "fisher":
         with _on_run_device(model, run.device):
-            gains = fisher_gains(model, run.batch_list)
+            gains = fisher_gains(model, run.batch_list, decoder=(run.prefix, run.layers, run.targets))
     gain_seconds = time.perf_counter() - t0
     failed, was_training = True, model.training
     model.eval()
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if any(
                 t.experts for t in run.targets) else contextlib.nullcontext()):
-            costs = measure(run, free, gains)
+            costs = measure(run, layout.free, gains)
         failed = False
     finally:
         model.train(was_training)
         run_setup.finish(run.placement, failed)
-    allocation = allocation_of(cfg, free, fixed, weights, costs, gains)
+    allocation = allocation_of(cfg, *layout, costs, gains)
     allocation["seconds"] = {"gains": gain_seconds,
                              "sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}
     if saved is not None:
