@@ -24,12 +24,12 @@ def yarn(**changes):
     ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
     ("phimoe", {}, "sparsemixer"),
     ("ernie4_5_moe", dict(moe_layer_end_index=1), "up to the last layer"),
-    ("gpt_oss", dict(swiglu_limit=5.0), "hard-codes alpha 1.702 and limit 7.0"),
-    ("gpt_oss", dict(layer_types=["full_attention", "sliding_attention"]), "alternates sliding-window"),
-    ("gpt_oss", dict(rope_parameters=yarn(beta_fast=16.0)), "uses 32.0"),
-    ("gpt_oss", dict(rope_parameters=yarn(attention_factor=1.2)), "does not read it"),
-    ("gpt_oss", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "'yarn'"),
-    ("qwen3_moe", dict(rope_parameters=yarn()), "rope_type 'yarn'"),  # yarn is read per family
+    ("gpt_oss", {"swiglu_limit": 5.0}, "hard-codes alpha 1.702 and limit 7.0"),
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "alternates sliding-window"),
+    ("gpt_oss", {"rope_parameters": yarn(beta_fast=16.0)}, "uses 32.0"),
+    ("gpt_oss", {"rope_parameters": yarn(attention_factor=1.2)}, "does not read it"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'yarn'"),
+    ("qwen3_moe", {"rope_parameters": yarn()}, "rope_type 'yarn'"),  # yarn is read per family
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)
