@@ -35,8 +35,8 @@ def is_target(name: str, param) -> bool:
 
 def quantize_in_place(model, fmt: str, only=None) -> types.SimpleNamespace:
     """Encodes every target weight of ``model`` (or the parameters named in ``only``) in ``fmt`` (nn.Linear
-    orientation, also for experts stored (E, in, out)), writes the decoded values back, and returns a result whose ``weights`` are keyed by parameter
-    name (fused stacks whole)."""
+    orientation, also for experts stored (E, in, out)), writes the decoded values back, and returns a result
+    whose ``weights`` are keyed by parameter name (fused stacks whole)."""
     from jgptq_torch import models
 
     f = get_format(fmt)

@@ -140,7 +140,8 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
 
     Args:
       model: a transformers causal LM of a supported family (:data:`ARCHITECTURES`, one entry per family in
-        :mod:`jgptq_torch.export.gguf.families`), holding the weights the records stand for (the exporter reads its unquantized tensors).
+        :mod:`jgptq_torch.export.gguf.families`), holding the weights the records stand for (the exporter reads
+        its unquantized tensors).
       result: None (every weight in ``float_type``), or an :class:`jgptq_torch.report.QuantizeResult`-like object:
         ``weights`` (name -> :class:`jgptq.export.GGMLWeight` in nn.Linear (..., out, in) orientation) keyed by
         model parameter name (a fused expert stack (E, 2I, H) under its parameter), or by checkpoint keys
