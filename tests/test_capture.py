@@ -231,3 +231,24 @@ def test_expert_parallel_sentinels_add_nothing_in_both_paths(monkeypatch):
         reference = experts_capture.experts_forward(experts, x, plain_index, kept)
     torch.testing.assert_close(outs[True], reference, rtol=0, atol=1e-6)
     torch.testing.assert_close(outs[False], reference, rtol=0, atol=1e-6)
+
+
+def test_gpt_oss_clamped_swiglu_where_the_clamp_acts():
+    """gpt-oss clamps gate (above) and up (both sides) at swiglu_limit before its SwiGLU: with expert weights large
+    enough that many pre-activations pass the limit, the capture implementation still computes the eager output."""
+    model = build("gpt_oss")
+    seen = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(50.0)
+    experts = model.model.layers[0].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    ids = token_ids(2, 12, seed=3)
+    eager = logits_with(model, ids, "eager")
+    hook.remove()
+    pre = torch.einsum("th,ehf->etf", seen[0], experts.gate_up_proj.detach()) + experts.gate_up_proj_bias[:, None]
+    assert (pre[..., 0::2] > experts.limit).float().mean() > 0.1          # gate clamped above
+    assert (pre[..., 1::2].abs() > experts.limit).float().mean() > 0.1    # up clamped on both sides
+    capture._register()
+    plain = logits_with(model, ids, capture.IMPLEMENTATION)
+    torch.testing.assert_close(plain, eager, rtol=0, atol=2e-6 * float(eager.abs().max()))

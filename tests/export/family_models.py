@@ -53,6 +53,14 @@ MODELS = {
                      dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
                           moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
                           head_dim=16)),  # the converter's shared width is intermediate_size // kv heads: 32 here
+    # gpt-oss's own YaRN settings but truncate=True (llama.cpp's rounding of the correction range; see the family's
+    # module) and a window shorter than the tests' sequences
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                     max_position_embeddings=131072,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": True,
+                                      "original_max_position_embeddings": 4096})),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
@@ -64,7 +72,7 @@ BPE_VOCAB = {"ernie4_5_moe"}
 
 def build(family: str, seed: int = 0, **overrides):
     """A tiny float32 model of ``family`` (eval mode, weights drawn with ``seed``; biases, where the family has
-    them, drawn too so that they are not all zero)."""
+    them, drawn too so that they are not all zero, and attention sinks from N(0, 1) so that heads differ)."""
     import transformers
 
     cfg_name, model_name, extra = MODELS[family]
@@ -75,4 +83,6 @@ def build(family: str, seed: int = 0, **overrides):
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
+            elif name.endswith(".sinks"):
+                p.normal_(0, 1.0)
     return model

@@ -173,10 +173,10 @@ def test_errors(tmp_path):
     model, result = quantized("llama")
     q = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(UnsupportedGGUFModel, match=r"supported model types: \['deepseek_v3', 'dots1', "
-                                                   r"'ernie4_5_moe', 'glm4_moe', 'granitemoe', 'granitemoeshared', "
-                                                   r"'llama', "
+                                                   r"'ernie4_5_moe', 'glm4_moe', 'gpt_oss', 'granitemoe', "
+                                                   r"'granitemoeshared', 'llama', "
                                                    r"'minimax_m2', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
-        export_gguf(build("gpt_oss"), None, tmp_path / "x.gguf")
+        export_gguf(build("llama4"), None, tmp_path / "x.gguf")
     with pytest.raises(UnsupportedGGUFModel, match="norm_topk_prob=False"):
         export_gguf(build("qwen3_moe", norm_topk_prob=False), None, tmp_path / "x.gguf")
     with pytest.raises(NotImplementedError, match="tokenizer"):
@@ -223,7 +223,7 @@ def test_check_exportable():
 
     check_exportable(build("qwen3_moe", vocab_size=256), byte_tokenizer())
     with pytest.raises(UnsupportedGGUFModel, match="supported model types"):
-        check_exportable(build("gpt_oss"))
+        check_exportable(build("llama4"))
     with pytest.raises(NotImplementedError, match="not a fast"):
         check_exportable(tiny("llama"), object())
 

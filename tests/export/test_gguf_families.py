@@ -1,13 +1,20 @@
 """The family entries' own rules, without llama.cpp: refusals of settings llama.cpp's graph for the family would
-compute differently, and deepseek2's split of kv_b_proj against a numpy reference."""
+compute differently, deepseek2's split of kv_b_proj and gpt-oss's split of its interleaved gate_up (weights and
+biases) against numpy references."""
 
+import gguf
 import numpy as np
 import pytest
 
 from jgptq_torch.export.gguf.arch import UnsupportedGGUFModel, arch_of, targets
 from jgptq_torch.export.gguf.export import export_gguf
-from tests.export.family_models import build
-from tests.export.gguf_models import read
+from tests.export.family_models import MODELS, build
+from tests.export.gguf_models import field, read
+
+
+def yarn(**changes):
+    """The tiny gpt-oss's YaRN settings with ``changes``."""
+    return {**MODELS["gpt_oss"][2]["rope_parameters"], **changes}
 
 
 @pytest.mark.parametrize("family,overrides,match", [
@@ -17,6 +24,12 @@ from tests.export.gguf_models import read
     ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
     ("phimoe", {}, "sparsemixer"),
     ("ernie4_5_moe", dict(moe_layer_end_index=1), "up to the last layer"),
+    ("gpt_oss", {"swiglu_limit": 5.0}, "hard-codes alpha 1.702 and limit 7.0"),
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"]}, "alternates sliding-window"),
+    ("gpt_oss", {"rope_parameters": yarn(beta_fast=16.0)}, "uses 32.0"),
+    ("gpt_oss", {"rope_parameters": yarn(attention_factor=1.2)}, "does not read it"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'yarn'"),
+    ("qwen3_moe", {"rope_parameters": yarn()}, "rope_type 'yarn'"),  # yarn is read per family
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)
@@ -43,3 +56,33 @@ def test_deepseek2_kv_b_split(tmp_path):
     assert [t.name for t in plan["model.layers.1.self_attn.kv_b_proj.weight"]] == [
         "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"]
     assert [t.name for t in plan["model.layers.1.mlp.gate.e_score_correction_bias"]] == ["blk.1.exp_probs_b.bias"]
+
+
+def test_gpt_oss_tensors_and_yarn_keys(tmp_path):
+    """gpt-oss's interleaved gate_up (stored (E, H, 2I)) becomes ffn_gate_exps (columns 0, 2, ...) and ffn_up_exps
+    (1, 3, ...) in (E, I, H), weights and biases alike; sinks and biases are float32 in an f16 file; YaRN's keys
+    carry the config's values. A truncate=False config is exported with a warning (llama.cpp rounds the range)."""
+    model = build("gpt_oss", rope_parameters=yarn(truncate=False))
+    with pytest.warns(UserWarning, match="truncate=False"):
+        reader, tensors = read(export_gguf(model, None, tmp_path / "g.gguf", float_type="f16"))
+    experts = model.model.layers[1].mlp.experts
+    gate_up = experts.gate_up_proj.detach().numpy().transpose(0, 2, 1)   # (E, 2I, H)
+    bias = experts.gate_up_proj_bias.detach().numpy()
+    for part, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+        w = tensors[f"blk.1.ffn_{part}_exps.weight"]
+        assert w.tensor_type == gguf.GGMLQuantizationType.F16
+        np.testing.assert_array_equal(np.asarray(w.data), gate_up[:, cols].astype(np.float16))
+        b = tensors[f"blk.1.ffn_{part}_exps.bias"]
+        assert b.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(np.asarray(b.data), bias[:, cols])
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.ffn_down_exps.bias"].data),
+                                  experts.down_proj_bias.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.attn_sinks.weight"].data),
+                                  model.model.layers[1].self_attn.sinks.detach().numpy())
+    for name in ("blk.1.attn_output.bias", "blk.1.ffn_gate_inp.bias", "blk.1.attn_sinks.weight"):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32, name
+    rope = MODELS["gpt_oss"][2]["rope_parameters"]
+    assert field(reader, "gpt-oss.rope.scaling.type") == "yarn"
+    assert field(reader, "gpt-oss.rope.scaling.factor") == rope["factor"]
+    assert field(reader, "gpt-oss.rope.scaling.original_context_length") == rope["original_max_position_embeddings"]
+    assert field(reader, "gpt-oss.attention.sliding_window") == model.config.sliding_window

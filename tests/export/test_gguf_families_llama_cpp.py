@@ -6,6 +6,9 @@ logits against the torch model holding the same weights.
   llama.cpp also rounds the activations of each quantized matmul to q8_0 blocks, so the logits move by a few % of
   their norm; asserted relative error ||got - want|| / ||want|| < 5% and the same top-1 token at >= 90% of the
   positions.
+- gpt-oss: a GPTQ run of jgptq onto llama.cpp's MXFP4_MOE mix (experts MXFP4, the rest q8_0), exported: the
+  experts' tensors decode (the gguf package's dequantizer) to the torch model's weights, and the logits agree as
+  above; a config with YaRN's truncate=False runs in llama.cpp as the same weights with truncate=True in torch.
 """
 
 import functools
@@ -20,7 +23,8 @@ from tests.export.gguf_models import quantize_in_place
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
-FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
+            "gpt_oss"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 
@@ -73,3 +77,51 @@ def test_q8_0_export_matches_torch(family, tmp_path):
     top1 = np.mean(got.argmax(-1) == want.argmax(-1))
     print(f"{family} q8_0: relative error {rel:.3g}, top-1 agreement {top1:.3g}")
     assert rel < 0.05 and top1 >= 0.9
+
+
+def test_gpt_oss_mxfp4_moe_run_matches_torch(tmp_path):
+    import gguf
+    import torch
+
+    import jgptq
+
+    model = build("gpt_oss")
+    calib = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    result = jgptq.quantize_moe(model, calib, mix="mxfp4_moe", progress=False)
+    kinds = {(r.kind, r.format, r.method) for r in result.report.records}
+    assert {("expert_gate_up", "mxfp4", "gptq"), ("expert_down", "mxfp4", "gptq"), ("linear", "q8_0", "gptq")} >= kinds
+    path = export_gguf(model, result, tmp_path / "mxfp4_moe.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        i = layer.self_attn.layer_idx
+        gate_up = experts.gate_up_proj.detach().numpy().transpose(0, 2, 1)   # (E, 2I, H), gate and up interleaved
+        want = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2],
+                "down": experts.down_proj.detach().numpy().transpose(0, 2, 1)}
+        for part, w in want.items():
+            t = tensors[f"blk.{i}.ffn_{part}_exps.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
+            got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+            np.testing.assert_array_equal(got, w)
+    got = llama_cpp_logits(path)
+    want = torch_logits(model)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    top1 = np.mean(got.argmax(-1) == want.argmax(-1))
+    print(f"gpt_oss mxfp4_moe (GPTQ): relative error {rel:.3g}, top-1 agreement {top1:.3g}")
+    assert rel < 0.05 and top1 >= 0.9
+
+
+def test_gpt_oss_untruncated_yarn_runs_as_truncated(tmp_path):
+    """llama.cpp rounds YaRN's correction range to whole dimensions: the file of a truncate=False model computes
+    what torch computes from the same weights with truncate=True (and measurably not the untruncated function)."""
+    rope = build("gpt_oss").config.rope_parameters
+    assert rope["truncate"] is True
+    model = build("gpt_oss", rope_parameters={**rope, "truncate": False})   # the same seed: the same weights
+    with pytest.warns(UserWarning, match="truncate=False"):
+        got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    untruncated, truncated = torch_logits(model), torch_logits(build("gpt_oss"))
+    off = np.abs(got - untruncated).max() / untruncated.std()
+    on = np.abs(got - truncated).max() / truncated.std()
+    print(f"gpt_oss truncate=False: max |diff| {off:.3g} of the logit std against torch's own, {on:.3g} against "
+          f"truncate=True")
+    assert on < 1e-5 and off > 10 * on

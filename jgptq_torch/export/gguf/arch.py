@@ -65,8 +65,10 @@ def arch_of_config(cfg, name: str) -> Arch:
                 f"llama.cpp's {spec.name} graph attends to the whole context")
     rope = _rope(cfg)
     kind = rope.get("rope_type", "default")
-    if kind not in ("default", "linear", "llama3"):
-        _refuse(model, f"rope_type {kind!r}", "supported rope types are 'default', 'linear' and 'llama3'")
+    known = ("default", "linear", "llama3") + tuple(spec.rope_types)
+    if kind not in known:
+        _refuse(model, f"rope_type {kind!r}", f"supported rope types of {spec.name} are "
+                + ", ".join(repr(k) for k in known))
     if kind == "llama3" and spec.arch != gguf.MODEL_ARCH.LLAMA:
         _refuse(model, "rope_type 'llama3'", f"only the llama architecture reads rope_freqs, not {spec.name}")
     return spec
@@ -102,6 +104,13 @@ def metadata(model, spec: Arch) -> dict:
     if rope.get("rope_type") == "linear":
         meta[key(r.SCALING_TYPE)] = gguf.RopeScalingType.LINEAR.value
         meta[key(r.SCALING_FACTOR)] = float(rope["factor"])
+    elif rope.get("rope_type") == "yarn":  # only for families listing it in rope_types (their checks refuse the rest)
+        meta[key(r.SCALING_TYPE)] = gguf.RopeScalingType.YARN.value
+        meta[key(r.SCALING_FACTOR)] = float(rope["factor"])
+        meta[key(r.SCALING_ORIG_CTX_LEN)] = int(rope["original_max_position_embeddings"])
+        for beta, template in (("beta_fast", r.SCALING_YARN_BETA_FAST), ("beta_slow", r.SCALING_YARN_BETA_SLOW)):
+            if rope.get(beta) is not None:
+                meta[key(template)] = float(rope[beta])
     experts = num_experts(cfg)
     if experts:
         meta[key(k.EXPERT_COUNT)] = experts
@@ -155,7 +164,8 @@ class Target:
 
     Attributes:
       name: GGUF tensor name.
-      rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all).
+      rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all); of a bias
+        (role ``"bias"``, (..., out)), the entries of its last axis.
       heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
       role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
       flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
@@ -180,6 +190,8 @@ def _short(tensor: gguf.MODEL_TENSOR) -> str:
 
 _QKV = {_short(t) for t in (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K, gguf.MODEL_TENSOR.ATTN_V)}
 _ROUTERS = {_short(t) for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)}
+_EXPERTS = {_short(t) for t in (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP,
+                                gguf.MODEL_TENSOR.FFN_DOWN_EXP)}
 
 
 def _experts_module(model, param: str):
@@ -207,21 +219,25 @@ def targets(model, spec: Arch) -> dict:
             out[param] = special
             continue
         module, attr = _experts_module(model, param)
+        bias = param.endswith(".bias")
         if module is not None:
             layout = models.ExpertsLayout.of(module)
-            if layout.biased or layout.post_norm or not layout.gated:
-                _refuse(model, param, "experts with biases, post-expert norms or no gate are not supported")
+            if layout.biased and not spec.expert_bias:
+                _refuse(model, param, f"llama.cpp's {spec.name} loads no expert biases")
+            if layout.post_norm or not layout.gated:
+                _refuse(model, param, "experts with post-expert norms or no gate are not supported")
             base = param.rpartition(".")[0]
-            if attr == layout.up_name:
-                gate, up = layout.gate_up_rows()
+            bias = attr.endswith("_bias")
+            gate, up = layout.gate_up_rows()
+            if attr.removesuffix("_bias") == layout.up_name:   # a bias takes the same selection of its entries
                 parts = [(f"{base}.gate_proj", gate), (f"{base}.up_proj", up)]
-            elif attr == "down_proj":
+            elif attr.removesuffix("_bias") == "down_proj":
                 parts = [(f"{base}.down_proj", None)]
             else:
                 _refuse(model, param, "an experts parameter this exporter does not know")
         elif param.endswith(".weight"):
             parts = [(param[: -len(".weight")], None)]
-        elif param.endswith(".bias") and spec.qkv_bias:
+        elif bias and spec.qkv_bias:
             parts = [(param[: -len(".bias")], None)]
         else:
             _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
@@ -233,8 +249,8 @@ def targets(model, spec: Arch) -> dict:
             if name is None:
                 _refuse(model, param, f"no GGUF tensor for this parameter in llama.cpp's {spec.name}")
             kind = name.rpartition(".")[2] if name.startswith("blk.") else name
-            suffix = ".bias" if param.endswith(".bias") else ".weight"
-            if suffix == ".bias" and kind not in _QKV:
+            suffix = ".bias" if bias else ".weight"
+            if bias and kind not in (_EXPERTS if module is not None else _QKV):
                 _refuse(model, param, f"llama.cpp's {spec.name} loads no {kind} bias")
             role, flat = "weight", False
             if suffix == ".bias":

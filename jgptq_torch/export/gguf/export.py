@@ -43,6 +43,9 @@ from jgptq.export.records import GGMLWeight
 __all__ = ["export_gguf", "export_imatrix", "check_exportable", "gguf_names", "ARCHITECTURES", "UnsupportedGGUFModel"]
 
 QUANTIZATION_VERSION = 2
+# roles of the tensors written in float32 whatever float_type says (llama.cpp's converter writes every bias and
+# router in F32; norms and other vectors are F32 for llama.cpp's kernels)
+_FLOAT32_ROLES = ("norm", "router", "bias")
 # ``general.file_type`` is llama.cpp's LLAMA_FTYPE of the run. A GGML format alone maps to the llama.cpp type of
 # the same name; q3_k, q4_k and q5_k have no plain type, only _S/_M/_L mixes, and _S is the one whose tensors all
 # stay in the base format but for a few early layers. A mix preset maps to the llama.cpp type it reproduces.
@@ -78,7 +81,7 @@ def _linear_view(model, param: str, tensor: torch.Tensor) -> np.ndarray:
         module = model.get_submodule(owner)
     except AttributeError:
         module = None
-    if module is not None and models.is_experts_module(module):
+    if module is not None and models.is_experts_module(module) and t.ndim == 3:  # a weight stack, not its bias
         t = models.ExpertsLayout.of(module).linear(t)
     return t.contiguous().numpy()
 
@@ -106,7 +109,10 @@ def _float_rows(model, param: str, tensor: torch.Tensor, t) -> np.ndarray:
     value = _linear_view(model, param, tensor)
     if t.split is not None:
         return np.ascontiguousarray(t.split.floats(value))
-    data = value if t.rows is None else value[..., t.rows, :]
+    if t.rows is None:
+        data = value
+    else:                # a bias's entries are its last axis, a weight's rows the one before
+        data = value[..., t.rows] if t.role == "bias" else value[..., t.rows, :]
     if t.heads:  # rows of a weight, entries of a bias
         data = data[qk_row_order(t.heads, data.shape[-2] if data.ndim > 1 else data.shape[0])]
     return np.ascontiguousarray(data.reshape(-1) if t.flat else data)
@@ -133,8 +139,9 @@ def export_gguf(model, result=None, out="model.gguf", *, overwrite: bool = False
     """Writes ``model`` (quantized by ``result``, or float) as a GGUF file llama.cpp loads.
 
     Args:
-      model: a transformers causal LM of a supported family (:data:`ARCHITECTURES`: llama, mixtral, qwen3_moe,
-        qwen2_moe, olmoe), holding the weights the records stand for (the exporter reads its unquantized tensors).
+      model: a transformers causal LM of a supported family (:data:`ARCHITECTURES`, one entry per family in
+        :mod:`jgptq_torch.export.gguf.families`), holding the weights the records stand for (the exporter reads
+        its unquantized tensors).
       result: None (every weight in ``float_type``), or an :class:`jgptq_torch.report.QuantizeResult`-like object:
         ``weights`` (name -> :class:`jgptq.export.GGMLWeight` in nn.Linear (..., out, in) orientation) keyed by
         model parameter name (a fused expert stack (E, 2I, H) under its parameter), or by checkpoint keys
@@ -217,9 +224,9 @@ class GGUFFile:
         if tuple(rec.shape) != self.params[param]:
             raise ValueError(f"{param}: record shape {tuple(rec.shape)} does not match the parameter "
                              f"{self.params[param]} (nn.Linear orientation)" + _block_hint(self.params[param], rec))
-        if any(t.role in ("norm", "router") for t in self.plan[param]):
-            raise ValueError(f"{param}: llama.cpp keeps norms and routers in floating point; leave it out of "
-                             f"the result")
+        if any(t.role in _FLOAT32_ROLES for t in self.plan[param]):
+            raise ValueError(f"{param}: llama.cpp keeps norms, biases and routers in floating point; leave it out "
+                             f"of the result")
 
     def entries(self) -> list:
         """[(parameter name or None for the RoPE factors, :class:`Target`)] in file order."""
@@ -243,7 +250,12 @@ class GGUFFile:
         full = self.params[param]
         if t.split is not None:
             return tuple(t.split.shape(full))
-        shape = full if t.rows is None else full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
+        if t.rows is None:
+            shape = full
+        elif t.role == "bias":
+            shape = full[:-1] + (len(range(*t.rows.indices(full[-1]))),)
+        else:
+            shape = full[:-2] + (len(range(*t.rows.indices(full[-2]))), full[-1])
         return (int(np.prod(shape)),) if t.flat else shape
 
     def tensor(self, param, t, rec=None) -> GGUFTensor:
@@ -258,7 +270,7 @@ class GGUFFile:
             return GGUFTensor(t.name, functools.partial(_split_blocks, rec, t), rec.format, shape)
         if rec is not None:
             return GGUFTensor(t.name, functools.partial(_payload_rows, rec, t), rec.format, shape)
-        kind = "f32" if t.role in ("norm", "router") or len(shape) == 1 else self.float_type
+        kind = "f32" if t.role in _FLOAT32_ROLES or len(shape) == 1 else self.float_type
         return GGUFTensor(t.name, functools.partial(_float_rows, self.model, param, self.state[param], t), kind,
                           shape)
 
@@ -294,7 +306,8 @@ def _shape(model, param: str, tensor: torch.Tensor) -> tuple:
         module = model.get_submodule(param.rpartition(".")[0])
     except AttributeError:
         pass
-    if module is not None and models.is_experts_module(module) and models.ExpertsLayout.of(module).transposed:
+    if (module is not None and len(shape) == 3 and models.is_experts_module(module)
+            and models.ExpertsLayout.of(module).transposed):
         shape = shape[:-2] + (shape[-1], shape[-2])
     return shape
 
@@ -334,7 +347,7 @@ def export_imatrix(model, imatrix, path, *, datasets=(), chunk_count: int = 0, c
         if param not in plan:
             raise ValueError(f"imatrix entry {param!r} is not a parameter of {type(model).__name__}")
         shape = _shape(model, param, state[param])
-        if len(shape) < 2 or any(t.role in ("norm", "router") for t in plan[param]):
+        if len(shape) < 2 or any(t.role in _FLOAT32_ROLES for t in plan[param]):
             raise ValueError(f"imatrix entry {param!r}: llama.cpp quantizes no norm or router; leave it out")
         sums = np.asarray(entry[0], np.float32)
         sums = sums[None] if sums.ndim == 1 else sums

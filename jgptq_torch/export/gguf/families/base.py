@@ -28,8 +28,14 @@ class Arch:
       expert_ff: config attribute of the expert width (None: the family writes none).
       shared_ff: config attribute of the shared expert's width (None: no shared expert).
       qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
+      expert_bias: llama.cpp loads biases of the experts (``ffn_{gate,up,down}_exps.bias``), which the model's
+        experts (transformers' ``has_bias``) then give; otherwise biased experts are refused.
       window_from_layer_types: the config's ``sliding_window`` applies only to the layers ``layer_types`` marks
-        as sliding (the family's check refuses those); otherwise any ``sliding_window`` is refused.
+        as sliding (the family's check refuses those, or the layouts llama.cpp's graph does not follow); otherwise
+        any ``sliding_window`` is refused.
+      rope_types: rope types the family's llama.cpp graph computes besides ``default``, ``linear`` and ``llama3``
+        (``"yarn"``: the scaling type, factor, original context and beta keys are written; the family's check
+        refuses the settings its loader does not read).
       aliases: (transformers module-name part, the checkpoint's) pairs applied before the ``gguf`` name map,
         for modules transformers names differently from the checkpoints the map knows.
       check: family-specific refusals, ``check(model, spec)``; raises :class:`UnsupportedGGUFModel`.
@@ -48,7 +54,9 @@ class Arch:
     expert_ff: str | None = None
     shared_ff: str | None = None
     qkv_bias: bool = False
+    expert_bias: bool = False
     window_from_layer_types: bool = False
+    rope_types: tuple = ()
     aliases: tuple = ()
     check: Callable | None = None
     meta: Callable | None = None
