@@ -53,6 +53,14 @@ MODELS = {
                      dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32, moe_num_experts=8,
                           moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
                           head_dim=16)),  # the converter's shared width is intermediate_size // kv heads: 32 here
+    # four layers: experts in layers 1 and 3 (interleave step 2), layer 3 without rotary embedding (llama.cpp's
+    # fixed pattern); llama3 rope scaling with frequencies in each of its three bands
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
+                         num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }

@@ -35,18 +35,23 @@ def is_target(name: str, param) -> bool:
 
 def quantize_in_place(model, fmt: str, only=None) -> types.SimpleNamespace:
     """Encodes every target weight of ``model`` (or the parameters named in ``only``) in ``fmt`` (nn.Linear
-    orientation), writes the decoded values back, and returns a result whose ``weights`` are keyed by parameter
-    name (fused stacks whole)."""
+    orientation, also for experts stored (E, in, out)), writes the decoded values back, and returns a result whose
+    ``weights`` are keyed by parameter name (fused stacks whole)."""
+    from jgptq_torch import models
+
     f = get_format(fmt)
     weights = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not (is_target(name, p) if only is None else name in only):
                 continue
-            w = p.detach().float().numpy()
+            owner = model.get_submodule(name.rpartition(".")[0])
+            flip = models.is_experts_module(owner) and models.ExpertsLayout.of(owner).transposed  # stored (E, in, out)
+            w = (p.transpose(1, 2) if flip else p).detach().float().numpy()
             payload = np.asarray(encode(w, fmt)).reshape(w.shape[:-1] + (w.shape[-1] // f.block_size, f.type_size))
             rec = GGMLWeight(payload, fmt, method="rtn")
-            p.copy_(torch.from_numpy(np.array(rec.dequantize())))
+            back = torch.from_numpy(np.array(rec.dequantize()))
+            p.copy_(back.transpose(1, 2) if flip else back)
             weights[name] = rec
     return types.SimpleNamespace(weights=weights, param_keys={name: [name] for name in weights})
 

@@ -54,6 +54,7 @@ EXCEPTIONS = {
     "granitemoe": {},
     "granitemoeshared": {},
     "minimax_m2": {},
+    "llama4_text": {},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
                     "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"
                  for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",

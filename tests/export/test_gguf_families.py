@@ -17,6 +17,12 @@ from tests.export.gguf_models import read
     ("deepseek_v3", dict(n_group=3, topk_group=1), "groups"),
     ("phimoe", {}, "sparsemixer"),
     ("ernie4_5_moe", dict(moe_layer_end_index=1), "up to the last layer"),
+    ("llama4_text", dict(no_rope_layer_interval=2), "every 4th layer only"),
+    ("llama4_text", dict(attention_chunk_size=None), "attends in chunks"),
+    ("llama4_text", dict(attention_chunk_size=4096), "chunks of 8192"),
+    ("llama4_text", dict(attn_scale=0.2), "temperature"),
+    ("llama4_text", dict(use_qk_norm=False), "128 experts"),
+    ("llama4_text", dict(moe_layers=[0, 1, 2, 3]), "interleave_moe_layer_step=2"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

@@ -20,7 +20,8 @@ from tests.export.gguf_models import quantize_in_place
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
-FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
+            "llama4_text"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 

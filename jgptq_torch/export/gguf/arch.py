@@ -67,8 +67,8 @@ def arch_of_config(cfg, name: str) -> Arch:
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "linear", "llama3"):
         _refuse(model, f"rope_type {kind!r}", "supported rope types are 'default', 'linear' and 'llama3'")
-    if kind == "llama3" and spec.arch != gguf.MODEL_ARCH.LLAMA:
-        _refuse(model, "rope_type 'llama3'", f"only the llama architecture reads rope_freqs, not {spec.name}")
+    if kind == "llama3" and spec.arch not in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.LLAMA4):
+        _refuse(model, "rope_type 'llama3'", f"only llama.cpp's llama and llama4 read rope_freqs, not {spec.name}")
     return spec
 
 
@@ -116,25 +116,29 @@ def metadata(model, spec: Arch) -> dict:
 
 
 def rope_freqs(cfg) -> np.ndarray | None:
-    """float32 (head_dim / 2,): llama3 rope scaling factors (llama.cpp's ``rope_freqs`` tensor), or None."""
+    """float32 (head_dim / 2,): llama3 rope scaling factors (llama.cpp's ``rope_freqs`` tensor), or None.
+
+    Each step is rounded to float32, as transformers computes the frequencies and llama.cpp's converter the factors.
+    """
     rope = _rope(cfg)
     if rope.get("rope_type") != "llama3":
         return None
+    f32 = np.float32
     base, dim = float(rope.get("rope_theta", 10000.0)), head_dim(cfg)
     factor = float(rope.get("factor", 8.0))
     low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
     old = float(rope.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
     out = []
     for f in freqs:
-        wavelen = 2 * math.pi / float(f)
+        wavelen = f32(2 * math.pi) / f
         if wavelen < old / high:
-            out.append(1.0)
+            out.append(f32(1.0))
         elif wavelen > old / low:
-            out.append(factor)
+            out.append(f32(factor))
         else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
+            smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+            out.append(f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth))
     return np.asarray(out, np.float32)
 
 
