@@ -30,6 +30,9 @@ FAMILIES = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(intermediate_size=32, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=1)),
+    # a shared MLP beside softmax-routed experts in every layer; Q/K norms after the rotary embedding
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2)),
 }
 
 

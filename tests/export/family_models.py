@@ -61,13 +61,22 @@ MODELS = {
                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 64})),
+    # the released checkpoints' settings: NTK alpha rotary scaling (its converter takes head_dim 128, alpha 1000,
+    # base 10000) and per-layer lists of top-k, expert width and shared-expert count
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                            max_position_embeddings=32768, intermediate_size=32, num_experts=4, moe_topk=[2, 2],
+                            moe_intermediate_size=[32, 32], num_shared_expert=[1, 1],
+                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                             "rope_theta": 10000.0})),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
 # built only to be refused
 REFUSED = {"phimoe"}
-# families whose converter reads only a SentencePiece vocabulary: it is made to read the tests' BPE one as GPT-2's
-BPE_VOCAB = {"ernie4_5_moe"}
+# families whose converter reads only another vocabulary format (SentencePiece; tiktoken ranks for hunyuan): it is
+# made to read the tests' BPE one as GPT-2's
+BPE_VOCAB = {"ernie4_5_moe", "hunyuan_v1_moe"}
 
 
 def build(family: str, seed: int = 0, **overrides):

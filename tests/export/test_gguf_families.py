@@ -23,6 +23,9 @@ from tests.export.gguf_models import read
     ("llama4_text", dict(attn_scale=0.2), "temperature"),
     ("llama4_text", dict(use_qk_norm=False), "128 experts"),
     ("llama4_text", dict(moe_layers=[0, 1, 2, 3]), "interleave_moe_layer_step=2"),
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 1]), "one value for every layer"),
+    ("hunyuan_v1_moe", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+     "sequence length"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

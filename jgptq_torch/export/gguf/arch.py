@@ -65,7 +65,7 @@ def arch_of_config(cfg, name: str) -> Arch:
                 f"llama.cpp's {spec.name} graph attends to the whole context")
     rope = _rope(cfg)
     kind = rope.get("rope_type", "default")
-    if kind not in ("default", "linear", "llama3"):
+    if kind not in ("default", "linear", "llama3", *spec.rope_types):
         _refuse(model, f"rope_type {kind!r}", "supported rope types are 'default', 'linear' and 'llama3'")
     if kind == "llama3" and spec.arch not in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.LLAMA4):
         _refuse(model, "rope_type 'llama3'", f"only llama.cpp's llama and llama4 read rope_freqs, not {spec.name}")
@@ -105,7 +105,8 @@ def metadata(model, spec: Arch) -> dict:
     experts = num_experts(cfg)
     if experts:
         meta[key(k.EXPERT_COUNT)] = experts
-        meta[key(k.EXPERT_USED_COUNT)] = int(cfg.num_experts_per_tok)
+        used = cfg.num_experts_per_tok   # a per-layer list in some configs (the family's meta says how to write it)
+        meta[key(k.EXPERT_USED_COUNT)] = int(max(used) if isinstance(used, (list, tuple)) else used)
         if spec.expert_ff:
             meta[key(k.EXPERT_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.expert_ff))
         if spec.shared_ff:

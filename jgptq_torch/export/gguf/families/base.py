@@ -30,6 +30,8 @@ class Arch:
       qkv_bias: llama.cpp loads Q/K/V biases for the family (and the model may have them).
       window_from_layer_types: the config's ``sliding_window`` applies only to the layers ``layer_types`` marks
         as sliding (the family's check refuses those); otherwise any ``sliding_window`` is refused.
+      rope_types: rotary scaling types besides ``default``, ``linear`` and ``llama3`` that the family's ``check``
+        and ``meta`` handle themselves.
       aliases: (transformers module-name part, the checkpoint's) pairs applied before the ``gguf`` name map,
         for modules transformers names differently from the checkpoints the map knows.
       check: family-specific refusals, ``check(model, spec)``; raises :class:`UnsupportedGGUFModel`.
@@ -49,6 +51,7 @@ class Arch:
     shared_ff: str | None = None
     qkv_bias: bool = False
     window_from_layer_types: bool = False
+    rope_types: tuple = ()
     aliases: tuple = ()
     check: Callable | None = None
     meta: Callable | None = None
