@@ -33,6 +33,10 @@ FAMILIES = {
     # a shared MLP beside softmax-routed experts in every layer; Q/K norms after the rotary embedding
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
                        dict(intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2)),
+    # short-convolution and attention layers; a dense first layer, then sigmoid-routed experts
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1)),
 }
 
 

@@ -69,6 +69,11 @@ MODELS = {
                             moe_intermediate_size=[32, 32], num_shared_expert=[1, 1],
                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                              "rope_theta": 10000.0})),
+    # a dense short-convolution layer, then experts after attention and after a convolution
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                      tie_word_embeddings=True)),  # as released (its converter maps no lm_head)
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }

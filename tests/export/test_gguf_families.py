@@ -26,6 +26,10 @@ from tests.export.gguf_models import read
     ("hunyuan_v1_moe", dict(moe_topk=[2, 1]), "one value for every layer"),
     ("hunyuan_v1_moe", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
      "sequence length"),
+    ("lfm2_moe", dict(conv_bias=True), "no convolution or projection biases"),
+    ("lfm2_moe", dict(use_expert_bias=False), "correction bias"),
+    ("lfm2_moe", dict(norm_topk_prob=False), "always renormalises"),
+    ("lfm2_moe", dict(routed_scaling_factor=2.0), "does not scale"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

@@ -21,7 +21,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
 FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
-            "llama4_text", "hunyuan_v1_moe"]
+            "llama4_text", "hunyuan_v1_moe", "lfm2_moe"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 
@@ -74,3 +74,12 @@ def test_q8_0_export_matches_torch(family, tmp_path):
     top1 = np.mean(got.argmax(-1) == want.argmax(-1))
     print(f"{family} q8_0: relative error {rel:.3g}, top-1 agreement {top1:.3g}")
     assert rel < 0.05 and top1 >= 0.9
+
+
+def test_lfm2_moe_untied_head_matches_torch(tmp_path):
+    """An LFM2-MoE head of its own (the released models tie it) is written as ``output.weight``, which llama.cpp
+    loads in place of the embedding."""
+    model = build("lfm2_moe", tie_word_embeddings=False)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    want = torch_logits(model)
+    assert np.abs(got - want).max() / want.std() < 1e-4

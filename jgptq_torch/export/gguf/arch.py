@@ -94,7 +94,7 @@ def metadata(model, spec: Arch) -> dict:
         key(a.HEAD_COUNT_KV): int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
         key(a.KEY_LENGTH): hd,
         key(a.VALUE_LENGTH): hd,
-        key(a.LAYERNORM_RMS_EPS): float(cfg.rms_norm_eps),
+        key(a.LAYERNORM_RMS_EPS): float(cfg.rms_norm_eps if hasattr(cfg, "rms_norm_eps") else cfg.norm_eps),
     }
     rope = _rope(cfg)
     meta[key(r.FREQ_BASE)] = float(rope.get("rope_theta", 10000.0))
