@@ -74,6 +74,12 @@ MODELS = {
                  dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=128,
                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
                       tie_word_embeddings=True)),  # as released (its converter maps no lm_head)
+    # four layers: three sliding (window 16 < the tests' 32 tokens) with rotary embedding, then a global one; a dense
+    # first layer; route_norm as the released configs write it (the converter reads it, transformers always norms)
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM",
+              dict(num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=4,
+                   num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=16,
+                   mup_enabled=True, route_scale=2.0, route_norm=True)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
@@ -86,7 +92,7 @@ BPE_VOCAB = {"ernie4_5_moe", "hunyuan_v1_moe"}
 
 def build(family: str, seed: int = 0, **overrides):
     """A tiny float32 model of ``family`` (eval mode, weights drawn with ``seed``; biases, where the family has
-    them, drawn too so that they are not all zero)."""
+    them, and weights a family initialises to zero drawn too so that they are not all zero)."""
     import transformers
 
     cfg_name, model_name, extra = MODELS[family]
@@ -95,6 +101,6 @@ def build(family: str, seed: int = 0, **overrides):
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("bias"):
+            if name.endswith("bias") or (p.ndim >= 2 and not p.any()):   # e.g. AFMoE's router starts at zero
                 p.normal_(0, 0.02)
     return model

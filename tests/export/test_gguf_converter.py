@@ -56,6 +56,7 @@ EXCEPTIONS = {
     "minimax_m2": {},
     "llama4_text": {},
     "lfm2_moe": {},
+    "afmoe": {},
     "hunyuan_v1_moe": {
         "context_length": "HunYuan's converter pins 256k tokens for alpha-scaled rotary bases (llama.cpp reads it as "
                           "the default context size, not in the graph); jgptq writes max_position_embeddings",

@@ -30,6 +30,8 @@ from tests.export.gguf_models import read
     ("lfm2_moe", dict(use_expert_bias=False), "correction bias"),
     ("lfm2_moe", dict(norm_topk_prob=False), "always renormalises"),
     ("lfm2_moe", dict(routed_scaling_factor=2.0), "does not scale"),
+    ("afmoe", dict(global_attn_every_n_layers=2, layer_types=None), "every 4th layer"),
+    ("afmoe", dict(mup_enabled=False), "sqrt"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

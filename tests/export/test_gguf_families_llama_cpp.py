@@ -21,7 +21,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
 FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
-            "llama4_text", "hunyuan_v1_moe", "lfm2_moe"]
+            "llama4_text", "hunyuan_v1_moe", "lfm2_moe", "afmoe"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 

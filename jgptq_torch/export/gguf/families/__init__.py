@@ -3,10 +3,10 @@
 ``gguf`` package's name map does not give by itself."""
 
 from jgptq_torch.export.gguf.families import deepseek, ernie, glm, granite, llama, olmoe, qwen, sigmoid_routed
-from jgptq_torch.export.gguf.families import hunyuan, lfm2, llama4
+from jgptq_torch.export.gguf.families import afmoe, hunyuan, lfm2, llama4
 from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
 
-_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie, llama4, hunyuan, lfm2)
+_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie, llama4, hunyuan, lfm2, afmoe)
 ARCHITECTURES = {spec.model_type: spec for module in _MODULES for spec in module.FAMILIES}
 
 # model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)
