@@ -53,5 +53,5 @@ def _meta(cfg, meta, key):
         meta[key(r.SCALING_FACTOR)] = 1.0
 
 
-FAMILIES = [Arch("hunyuan_v1_moe", gguf.MODEL_ARCH.HUNYUAN_MOE, permute_qk=False, norm_topk=None, check=_check,
+FAMILIES = [Arch("hunyuan_v1_moe", gguf.MODEL_ARCH.HUNYUAN_MOE, permute_qk=False, check=_check,
                  meta=_meta, rope_types=("dynamic",))]
