@@ -29,7 +29,8 @@ class UnsupportedModelError(ValueError):
 
 # Relative names (inside a decoder layer) of linear modules that route rather than transform: quantizing them
 # changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
-ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$")
+ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$",
+                   r"(^|\.)gate\.wg$")   # HunYuan's router: a Linear ``wg`` inside its gate module
 
 # Undispatched experts whose inputs jgptq reads (``pipeline.prescaled_capture``): layout flags and their router's
 # attribute in the parent. Llama 4: every token reaches every expert pre-scaled by its routing score (0 off top-k).

@@ -20,6 +20,18 @@ def test_quantize_moe_runs_on_every_moe_family(family):
     for name, counts in result.report.coverage.items():
         assert sum(counts) == model.config.num_experts_per_tok * CALIB.numel(), name
     assert any(r.kind == "expert_gate_up" for r in result.report.records)
+    assert not _routers(model) & set(result.weights), family                # routers stay in floating point
+
+
+def _routers(model) -> set:
+    """The parameters the GGUF exporter's plan (from the gguf package's name maps) calls routers."""
+    from jgptq_torch.export.gguf.arch import UnsupportedGGUFModel, arch_of, targets
+
+    try:
+        plan = targets(model, arch_of(model))
+    except UnsupportedGGUFModel:
+        return set()
+    return {p for p, ts in plan.items() if any(t.role == "router" for t in ts)}
 
 
 def test_jetmoe_is_refused_with_the_reason():

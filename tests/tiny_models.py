@@ -30,6 +30,17 @@ FAMILIES = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(intermediate_size=32, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=1)),
+    # a shared MLP beside softmax-routed experts in every layer; Q/K norms after the rotary embedding
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2)),
+    # short-convolution and attention layers; a dense first layer, then sigmoid-routed experts
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1)),
+    # gated attention with pre/post norms, a dense first layer, sigmoid-routed experts beside a shared one
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM",
+              dict(intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   num_shared_experts=1, num_dense_layers=1, sliding_window=16, mup_enabled=True)),
 }
 
 

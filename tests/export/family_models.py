@@ -61,18 +61,47 @@ MODELS = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "truncate": True,
                                       "original_max_position_embeddings": 4096})),
+    # four layers: experts in layers 1 and 3 (interleave step 2), layer 3 without rotary embedding (llama.cpp's
+    # fixed pattern); llama3 rope scaling with frequencies in each of its three bands
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
+                         num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})),
+    # the released checkpoints' settings: NTK alpha rotary scaling (its converter takes head_dim 128, alpha 1000,
+    # base 10000) and per-layer lists of top-k, expert width and shared-expert count
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                            max_position_embeddings=32768, intermediate_size=32, num_experts=4, moe_topk=[2, 2],
+                            moe_intermediate_size=[32, 32], num_shared_expert=[1, 1],
+                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                             "rope_theta": 10000.0})),
+    # a dense short-convolution layer, then experts after attention and after a convolution
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                      tie_word_embeddings=True)),  # as released (its converter maps no lm_head)
+    # four layers: three sliding (window 16 < the tests' 32 tokens) with rotary embedding, then a global one; a dense
+    # first layer; route_norm as the released configs write it (the converter reads it, transformers always norms)
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM",
+              dict(num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=4,
+                   num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=16,
+                   mup_enabled=True, route_scale=2.0, route_norm=True)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
 }
 # built only to be refused
 REFUSED = {"phimoe"}
-# families whose converter reads only a SentencePiece vocabulary: it is made to read the tests' BPE one as GPT-2's
-BPE_VOCAB = {"ernie4_5_moe"}
+# families whose converter reads only another vocabulary format (SentencePiece; tiktoken ranks for hunyuan): it is
+# made to read the tests' BPE one as GPT-2's
+BPE_VOCAB = {"ernie4_5_moe", "hunyuan_v1_moe"}
 
 
 def build(family: str, seed: int = 0, **overrides):
     """A tiny float32 model of ``family`` (eval mode, weights drawn with ``seed``; biases, where the family has
-    them, drawn too so that they are not all zero, and attention sinks from N(0, 1) so that heads differ)."""
+    them, and weights a family initialises to zero drawn too so that they are not all zero; attention sinks from
+    N(0, 1) so that heads differ)."""
     import transformers
 
     cfg_name, model_name, extra = MODELS[family]
@@ -81,7 +110,7 @@ def build(family: str, seed: int = 0, **overrides):
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("bias"):
+            if name.endswith("bias") or (p.ndim >= 2 and not p.any()):   # e.g. AFMoE's router starts at zero
                 p.normal_(0, 0.02)
             elif name.endswith(".sinks"):
                 p.normal_(0, 1.0)

@@ -55,6 +55,15 @@ EXCEPTIONS = {
     "granitemoeshared": {},
     "minimax_m2": {},
     "gpt_oss": {},
+    "llama4_text": {},
+    "lfm2_moe": {},
+    "afmoe": {},
+    "hunyuan_v1_moe": {
+        "context_length": "HunYuan's converter pins 256k tokens for alpha-scaled rotary bases (llama.cpp reads it as "
+                          "the default context size, not in the graph); jgptq writes max_position_embeddings",
+        "rope.scaling.original_context_length": "the same 256k (read only by YaRN scaling)",
+        "tokenizer.ggml.seperator_token_id": "the converter also takes config.json's sep_token_id; jgptq writes "
+                                             "the tokenizer's special tokens"},
     "glm4_moe": {k: "GLM's converter pins chat tokens ([gMASK] as bos, <|user|> as eot, <|endoftext|> as unk, "
                     "<|observation|> as eom) by name; jgptq writes the tokenizer's own special tokens"
                  for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id",

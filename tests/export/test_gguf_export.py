@@ -172,9 +172,10 @@ def test_tied_embeddings(tmp_path):
 def test_errors(tmp_path):
     model, result = quantized("llama")
     q = "model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(UnsupportedGGUFModel, match=r"supported model types: \['deepseek_v3', 'dots1', "
+    with pytest.raises(UnsupportedGGUFModel, match=r"supported model types: \['afmoe', 'deepseek_v3', 'dots1', "
                                                    r"'ernie4_5_moe', 'glm4_moe', 'gpt_oss', 'granitemoe', "
-                                                   r"'granitemoeshared', 'llama', "
+                                                   r"'granitemoeshared', 'hunyuan_v1_moe', 'lfm2_moe', 'llama', "
+                                                   r"'llama4_text', "
                                                    r"'minimax_m2', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
         export_gguf(build("llama4"), None, tmp_path / "x.gguf")
     with pytest.raises(UnsupportedGGUFModel, match="norm_topk_prob=False"):

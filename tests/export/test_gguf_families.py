@@ -30,6 +30,21 @@ def yarn(**changes):
     ("gpt_oss", {"rope_parameters": yarn(attention_factor=1.2)}, "does not read it"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'yarn'"),
     ("qwen3_moe", {"rope_parameters": yarn()}, "rope_type 'yarn'"),  # yarn is read per family
+    ("llama4_text", dict(no_rope_layer_interval=2), "every 4th layer only"),
+    ("llama4_text", dict(attention_chunk_size=None), "attends in chunks"),
+    ("llama4_text", dict(attention_chunk_size=4096), "chunks of 8192"),
+    ("llama4_text", dict(attn_scale=0.2), "temperature"),
+    ("llama4_text", dict(use_qk_norm=False), "128 experts"),
+    ("llama4_text", dict(moe_layers=[0, 1, 2, 3]), "interleave_moe_layer_step=2"),
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 1]), "one value for every layer"),
+    ("hunyuan_v1_moe", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+     "sequence length"),
+    ("lfm2_moe", dict(conv_bias=True), "no convolution or projection biases"),
+    ("lfm2_moe", dict(use_expert_bias=False), "correction bias"),
+    ("lfm2_moe", dict(norm_topk_prob=False), "always renormalises"),
+    ("lfm2_moe", dict(routed_scaling_factor=2.0), "does not scale"),
+    ("afmoe", dict(global_attn_every_n_layers=2, layer_types=None), "every 4th layer"),
+    ("afmoe", dict(mup_enabled=False), "sqrt"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

@@ -24,7 +24,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
 FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
-            "gpt_oss"]
+            "gpt_oss", "llama4_text", "hunyuan_v1_moe", "lfm2_moe", "afmoe"]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 
@@ -125,3 +125,12 @@ def test_gpt_oss_untruncated_yarn_runs_as_truncated(tmp_path):
     print(f"gpt_oss truncate=False: max |diff| {off:.3g} of the logit std against torch's own, {on:.3g} against "
           f"truncate=True")
     assert on < 1e-5 and off > 10 * on
+
+
+def test_lfm2_moe_untied_head_matches_torch(tmp_path):
+    """An LFM2-MoE head of its own (the released models tie it) is written as ``output.weight``, which llama.cpp
+    loads in place of the embedding."""
+    model = build("lfm2_moe", tie_word_embeddings=False)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    want = torch_logits(model)
+    assert np.abs(got - want).max() / want.std() < 1e-4

@@ -69,8 +69,8 @@ def arch_of_config(cfg, name: str) -> Arch:
     if kind not in known:
         _refuse(model, f"rope_type {kind!r}", f"supported rope types of {spec.name} are "
                 + ", ".join(repr(k) for k in known))
-    if kind == "llama3" and spec.arch != gguf.MODEL_ARCH.LLAMA:
-        _refuse(model, "rope_type 'llama3'", f"only the llama architecture reads rope_freqs, not {spec.name}")
+    if kind == "llama3" and spec.arch not in (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.LLAMA4):
+        _refuse(model, "rope_type 'llama3'", f"only llama.cpp's llama and llama4 read rope_freqs, not {spec.name}")
     return spec
 
 
@@ -96,7 +96,7 @@ def metadata(model, spec: Arch) -> dict:
         key(a.HEAD_COUNT_KV): int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
         key(a.KEY_LENGTH): hd,
         key(a.VALUE_LENGTH): hd,
-        key(a.LAYERNORM_RMS_EPS): float(cfg.rms_norm_eps),
+        key(a.LAYERNORM_RMS_EPS): float(cfg.rms_norm_eps if hasattr(cfg, "rms_norm_eps") else cfg.norm_eps),
     }
     rope = _rope(cfg)
     meta[key(r.FREQ_BASE)] = float(rope.get("rope_theta", 10000.0))
@@ -114,7 +114,8 @@ def metadata(model, spec: Arch) -> dict:
     experts = num_experts(cfg)
     if experts:
         meta[key(k.EXPERT_COUNT)] = experts
-        meta[key(k.EXPERT_USED_COUNT)] = int(cfg.num_experts_per_tok)
+        used = cfg.num_experts_per_tok   # a per-layer list in some configs (the family's meta says how to write it)
+        meta[key(k.EXPERT_USED_COUNT)] = int(max(used) if isinstance(used, (list, tuple)) else used)
         if spec.expert_ff:
             meta[key(k.EXPERT_FEED_FORWARD_LENGTH)] = int(getattr(cfg, spec.expert_ff))
         if spec.shared_ff:
@@ -125,25 +126,29 @@ def metadata(model, spec: Arch) -> dict:
 
 
 def rope_freqs(cfg) -> np.ndarray | None:
-    """float32 (head_dim / 2,): llama3 rope scaling factors (llama.cpp's ``rope_freqs`` tensor), or None."""
+    """float32 (head_dim / 2,): llama3 rope scaling factors (llama.cpp's ``rope_freqs`` tensor), or None.
+
+    Each step is rounded to float32, as transformers computes the frequencies and llama.cpp's converter the factors.
+    """
     rope = _rope(cfg)
     if rope.get("rope_type") != "llama3":
         return None
+    f32 = np.float32
     base, dim = float(rope.get("rope_theta", 10000.0)), head_dim(cfg)
     factor = float(rope.get("factor", 8.0))
     low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
     old = float(rope.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
     out = []
     for f in freqs:
-        wavelen = 2 * math.pi / float(f)
+        wavelen = f32(2 * math.pi) / f
         if wavelen < old / high:
-            out.append(1.0)
+            out.append(f32(1.0))
         elif wavelen > old / low:
-            out.append(factor)
+            out.append(f32(factor))
         else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
+            smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+            out.append(f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth))
     return np.asarray(out, np.float32)
 
 

@@ -34,8 +34,8 @@ class Arch:
         as sliding (the family's check refuses those, or the layouts llama.cpp's graph does not follow); otherwise
         any ``sliding_window`` is refused.
       rope_types: rope types the family's llama.cpp graph computes besides ``default``, ``linear`` and ``llama3``
-        (``"yarn"``: the scaling type, factor, original context and beta keys are written; the family's check
-        refuses the settings its loader does not read).
+        (``"yarn"``: the scaling type, factor, original context and beta keys are written; any other type is
+        handled by the family's own ``check`` and ``meta``, which refuse the settings its loader does not read).
       aliases: (transformers module-name part, the checkpoint's) pairs applied before the ``gguf`` name map,
         for modules transformers names differently from the checkpoints the map knows.
       check: family-specific refusals, ``check(model, spec)``; raises :class:`UnsupportedGGUFModel`.
