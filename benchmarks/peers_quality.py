@@ -1,0 +1,248 @@
+"""Integer-grid quality beside the peers: jgptq and llm-compressor (GPTQ, AWQ, AutoRound) on one trained MoE model,
+each checkpoint reloaded through transformers and measured as KL to the float model on held-out text.
+
+The model: the trained byte-level Qwen3-MoE ``deep`` of the quality benchmark (``benchmarks/quality/lm.py``: 4
+decoder layers of hidden 512, 8 experts of width 512, top-2; cached in ``~/.cache/jgptq/gguf_quality``, trained first
+when missing). Both sides get the same calibration windows (``--calib-seqs`` x ``--calib-len`` bytes of the corpus's
+calibration split) and every checkpoint is measured on the same held-out windows.
+
+Each quantization runs in a fresh process of its own (``benchmarks/quality/peers_worker.py``, which says exactly
+what each side is given) that loads the float folder, quantizes, and writes a compressed-tensors
+``pack-quantized`` folder; its seconds are those of the quantization call alone (``quantize_moe`` / ``oneshot``),
+on the same CPU threads. Then this process loads every folder with ``AutoModelForCausalLM.from_pretrained`` (the
+compressed-tensors integration decompressing it; fused experts reassembled from the per-expert tensors), checks
+that every quantized projection holds at most ``2**bits`` distinct values in each group of 128 and differs from
+the float weights, and evaluates it against the float model (:func:`jgptq_torch.cli.evaluate.evaluate`,
+llama-perplexity's definition: windows from an empty context, second half scored): mean KL per token with its
+standard error, p99, top-1 agreement, perplexity, and the paired per-token KL difference of every row against the
+best jgptq row of its width (negative: the row is closer to the float model than jgptq's best).
+
+Rows, at each of ``--bits`` (default int4 and int3, symmetric, groups of 128, scales float32 on both sides):
+
+- ``jgptq:rtn|gptq|gptq_search``: jgptq's own defaults (each expert calibrated on its routed tokens, natural
+  column order, damping 0.01, batch 16); ``jgptq:gptq+calibration=all_experts+act_order=static`` is GPTQ set up as
+  llm-compressor runs it (every expert sees every token, static activation order).
+- ``llmcompressor:gptq|awq|autoround``: llm-compressor's ``oneshot`` with its defaults (batch 1, every expert
+  calibrated on every token), scheme ``W4A16`` / ``W3A16`` (its int presets: symmetric, groups of 128, min-max
+  weight observer), ``ignore=["lm_head", "re:.*mlp.gate$"]``; GPTQModifier (static activation order, damping
+  0.01), AWQModifier (its Qwen3-MoE mappings, duo scaling) before a QuantizationModifier, AutoRoundModifier (200
+  iterations a layer, batch 8). The experts are made ``nn.Linear`` modules by ``linearize_moe``.
+
+A row whose quantization or loading fails keeps its error text in the JSON. The results go to
+``benchmarks/results/peers_quality.json`` and a KL-against-seconds chart beside it (``peers_quality.svg``).
+
+Setting up (llm-compressor 0.14.0 pins transformers<=5.17, compressed-tensors 0.19.0, accelerate 1.15, auto-round),
+in a virtualenv of its own, with the CPU torch installed first so that pip keeps it::
+
+    python3.11 -m venv /work/peers-venv
+    /work/peers-venv/bin/pip install torch==2.13.0          # the CPU build
+    /work/peers-venv/bin/pip install llmcompressor==0.14.0
+    /work/peers-venv/bin/pip install "jax==0.10.2" "jaxlib==0.10.2" "gguf>=0.19" flatbuffers
+    /work/peers-venv/bin/pip install --no-deps -e .          # jgptq from this checkout
+    /work/peers-venv/bin/python -m benchmarks peers_quality   # from the repository root
+
+jgptq runs in that environment too (its compressed-tensors export loads with transformers 5.17), so both sides are
+quantized and measured with the same transformers. ``--work DIR`` keeps the folders and the workers' JSON, and a
+rerun with the same ``--work`` reuses every finished quantization (``--redo`` runs them again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import common
+
+DOC = __doc__.splitlines()[0]
+JGPTQ_ROWS = "rtn,gptq,gptq_search,gptq+calibration=all_experts+act_order=static"
+PEER_ROWS = "gptq,awq,autoround"
+
+
+def grid_check(model, reference, bits: int, group: int) -> dict:
+    """Most distinct values in one group of ``group`` consecutive inputs over every quantized projection of
+    ``model`` (a loaded, decompressed model), and the share of those weights that differ from ``reference``'s."""
+    import torch
+
+    ref = reference.state_dict()
+    most, changed, total, names = 0, 0, 0, 0
+    with torch.no_grad():
+        for name, w in model.state_dict().items():
+            if "_proj" not in name or w.ndim < 2 or name not in ref or not w.is_floating_point():
+                continue
+            g = w.float().reshape(-1, group).sort(dim=1).values
+            most = max(most, int(((g[:, 1:] != g[:, :-1]).sum(dim=1) + 1).max()))
+            changed += int((w != ref[name]).sum())
+            total += w.numel()
+            names += 1
+    return {"tensors": names, "max_distinct_per_group": most, "grid_levels": 2 ** bits,
+            "share_changed": changed / max(total, 1), "ok": names > 0 and most <= 2 ** bits}
+
+
+def paired(kl_a, kl_b) -> dict:
+    """Mean per-token KL difference a - b over the same tokens, its standard error, and the share of tokens where
+    b is lower."""
+    d = np.asarray(kl_a, np.float64) - np.asarray(kl_b, np.float64)
+    return {"mean": float(d.mean()), "stderr": float(d.std(ddof=1) / np.sqrt(d.size)),
+            "share_b_lower": float(np.mean(d > 0))}
+
+
+def best_row(rows: dict, side: str = "jgptq"):
+    """The name of ``side``'s row with the lowest mean KL (None when none was measured)."""
+    scored = [(r["kl_mean"], name) for name, r in rows.items() if r.get("side") == side and "kl_mean" in r]
+    return min(scored)[1] if scored else None
+
+
+def _worker(side, spec, bits, args, folder, calib_path, work) -> dict:
+    tag = f"{side}-{spec.replace('+', '_').replace('=', '-')}-int{bits}"
+    out, res_path, log_path = (os.path.join(work, tag + x) for x in ("", ".json", ".log"))
+    if not args.redo and os.path.exists(res_path) and os.path.isdir(out):
+        with open(res_path) as f:
+            res = json.load(f)
+        if res.get("ok"):
+            res["reused"] = True
+            return res | {"folder": out}
+    cmd = [sys.executable, "-m", "benchmarks.quality.peers_worker", "--side", side, "--method", spec, "--bits",
+           str(bits), "--group-size", str(args.group_size), "--model", folder, "--calib", calib_path, "--out", out,
+           "--result", res_path]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    wall = time.perf_counter() - t0
+    if os.path.exists(res_path):
+        with open(res_path) as f:
+            res = json.load(f)
+    else:
+        with open(log_path) as f:
+            tail = f.read()[-2000:]
+        why = f"timed out after {args.timeout} s" if code is None else f"exited {code}"
+        res = {"ok": False, "error": f"worker {why} without a result; log tail: {tail}"}
+    res.update({"worker_wall_s": wall, "load_average_at_start": load, "folder": out})
+    return res
+
+
+def main(argv=None):
+    p = common.parser("peers_quality", DOC)
+    p.add_argument("--bits", default="4,3", help="comma-separated code widths (default 4,3)")
+    p.add_argument("--jgptq", default=JGPTQ_ROWS, help="jgptq rows: method[+field=value...], comma-separated")
+    p.add_argument("--peers", default=PEER_ROWS, help="llm-compressor rows: gptq, awq, autoround")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--calib-seqs", type=int, default=128, help="calibration windows of --calib-len bytes")
+    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
+    p.add_argument("--windows", type=int, default=128, help="held-out windows evaluated")
+    p.add_argument("--model", default="deep", choices=("quality", "deep"), help="which trained model")
+    p.add_argument("--train-steps", type=int, default=None, help="training steps (default: the model's)")
+    p.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    p.add_argument("--redo", action="store_true", help="quantize again even where --work holds a result")
+    p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds allowed to one quantization")
+    args = p.parse_args(argv)
+    if args.small:
+        args.train_steps = args.train_steps or 4
+        args.calib_seqs, args.calib_len, args.windows = min(args.calib_seqs, 8), min(args.calib_len, 128), \
+            min(args.windows, 4)
+        args.jgptq, args.peers = "rtn,gptq", "gptq"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.gguf_quality import DEFAULT_CACHE
+    from benchmarks.quality import corpus, lm
+    from benchmarks.quality.peers_chart import kl_seconds_chart
+    from jgptq_torch.cli.evaluate import evaluate
+
+    torch.manual_seed(0)
+    data = corpus.corpus_bytes()
+    splits = corpus.split(data)
+    arch, train_cfg = lm.MODELS[args.model]
+    float_model, info = lm.trained_model(splits, corpus.corpus_digest(data), DEFAULT_CACHE, steps=args.train_steps,
+                                         arch=arch, train_cfg=train_cfg)
+    work = args.work or tempfile.mkdtemp(prefix="peers_quality_")
+    os.makedirs(work, exist_ok=True)
+    calib = corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs)
+    calib_path = os.path.join(work, f"calib-{calib.shape[0]}x{calib.shape[1]}.npy")
+    np.save(calib_path, calib)
+    held = corpus.windows(splits.tokens["heldout"], args.n_ctx, args.windows)
+    rows_of = [("jgptq", s.strip()) for s in args.jgptq.split(",") if s.strip()] + \
+              [("llmcompressor", s.strip()) for s in args.peers.split(",") if s.strip()]
+    out = {"benchmark": "peers_quality", "description": __doc__, "small": bool(args.small),
+           "model": {k: v for k, v in info.items() if k != "loss_history"},
+           "settings": {"model": args.model, "group_size": args.group_size, "sym": True,
+                        "calibration": list(calib.shape), "windows": len(held), "n_ctx": args.n_ctx,
+                        "rows": [f"{a}:{b}" for a, b in rows_of], "work": work, "cpu_threads": torch.get_num_threads()},
+           "packages": _versions(), "runs": {}}
+    for bits in [int(b) for b in args.bits.split(",") if b.strip()]:
+        rows, per_token = {}, {}
+        out["runs"][f"int{bits}"] = rows
+        for side, spec in rows_of:
+            name = f"{side}:{spec}"
+            res = _worker(side, spec, bits, args, info["folder"], calib_path, work)
+            row = {"side": side, "method": spec, **{k: v for k, v in res.items() if k not in ("side", "method")}}
+            rows[name] = row
+            if res.get("ok"):
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(res["folder"], dtype=torch.float32).eval()
+                    ev = evaluate(model, float_model, tokens=held)
+                    row["grid_check"] = grid_check(model, float_model, bits, args.group_size)
+                    s = ev.summary
+                    per_token[name] = np.asarray(ev.per_token["kl"], np.float64)
+                    row.update({"kl_mean": s["kl_mean"], "kl_stderr": s["kl_mean_stderr"], "kl_p99": s["kl_p99"],
+                                "top1_agreement": s["same_top_rate"], "ppl": s["ppl"], "ppl_float": s["ppl_ref"],
+                                "tokens_scored": s["tokens"]})
+                    print(f"int{bits} {name}: KL {s['kl_mean']:.3g} +- {s['kl_mean_stderr']:.2g}, p99 "
+                          f"{s['kl_p99']:.3g}, top1 {s['same_top_rate']:.4f}, ppl {s['ppl']:.4f}, "
+                          f"{row['quantize_s']:.0f} s, grid {row['grid_check']}", flush=True)
+                    del model
+                except Exception as exc:  # noqa: BLE001 - loading or evaluating the written folder failed: said, not hidden
+                    row["load_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            else:
+                print(f"int{bits} {name}: FAILED {res.get('error', '')[:300]}", flush=True)
+            common.write(args.out, out)
+        best = best_row(rows)
+        if best is not None:
+            rows["paired_minus_jgptq_best"] = {"best": best, **{
+                n: paired(per_token[n], per_token[best]) for n in per_token if n != best}}
+            for n, d in rows["paired_minus_jgptq_best"].items():
+                if n != "best":
+                    print(f"int{bits} {n} - {best}: {d['mean']:.3g} +- {d['stderr']:.2g} per token", flush=True)
+        common.write(args.out, out)
+    series = {}
+    for width, rows in out["runs"].items():
+        for name, r in rows.items():
+            if "kl_mean" in r:
+                label = "llm-compressor" if r["side"] == "llmcompressor" else "jgptq"
+                series.setdefault(f"{label} {width}", []).append(
+                    (r["quantize_s"], r["kl_mean"], r["kl_stderr"], r["method"].split("+")[0] +
+                     ("*" if "+" in r["method"] else "")))
+    if series:
+        chart = os.path.splitext(args.out)[0] + ".svg"
+        with open(chart, "w") as f:
+            f.write(kl_seconds_chart(series, title=f"KL to float against quantization time ({args.model} model, "
+                                                   f"g{args.group_size})"))
+        out["chart"] = os.path.basename(chart)
+        print(f"wrote {chart}")
+    out["machine"] = common.machine()
+    common.write(args.out, out)
+    return 0
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for name in ("jgptq", "llmcompressor", "compressed-tensors", "auto-round", "transformers", "torch", "jax"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found

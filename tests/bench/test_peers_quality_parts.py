@@ -1,0 +1,88 @@
+"""The pieces of the peers_quality benchmark: row specs, the paired difference, the jgptq row it is taken against,
+the grid check of a reloaded model, and its chart."""
+
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.peers_quality import best_row, grid_check, paired
+from benchmarks.quality.peers_chart import kl_seconds_chart
+from benchmarks.quality.peers_worker import method_spec
+
+
+def test_method_spec_splits_the_method_from_typed_overrides_and_refuses_malformed_ones():
+    assert method_spec("gptq") == ("gptq", {})
+    assert method_spec("gptq+calibration=all_experts+act_order=static+damp=0.1+batch_size=4") == (
+        "gptq", {"calibration": "all_experts", "act_order": "static", "damp": 0.1, "batch_size": 4})
+    for bad in ("gptq+damp", "+damp=1", "gptq+=1"):
+        with pytest.raises(ValueError):
+            method_spec(bad)
+
+
+def test_paired_difference_of_constant_shift_has_zero_spread_and_counts_where_b_is_lower():
+    a = np.array([1.0, 2.0, 3.0, 4.0])
+    d = paired(a + 0.5, a)
+    assert d == {"mean": 0.5, "stderr": 0.0, "share_b_lower": 1.0}
+    d = paired([1.0, 0.0], [0.0, 1.0])          # differences +1, -1: sd sqrt(2), stderr 1
+    assert d["mean"] == 0.0 and abs(d["stderr"] - 1.0) < 1e-12 and d["share_b_lower"] == 0.5
+
+
+def test_best_row_is_the_lowest_kl_of_jgptq_rows_only():
+    rows = {"jgptq:rtn": {"side": "jgptq", "kl_mean": 3.0}, "jgptq:gptq": {"side": "jgptq", "kl_mean": 1.0},
+            "jgptq:broken": {"side": "jgptq", "error": "x"},
+            "llmcompressor:gptq": {"side": "llmcompressor", "kl_mean": 0.5}}
+    assert best_row(rows) == "jgptq:gptq"
+    assert best_row({"llmcompressor:gptq": rows["llmcompressor:gptq"]}) is None
+
+
+class _Weights(torch.nn.Module):
+    def __init__(self, **tensors):
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+
+
+def test_grid_check_counts_levels_per_group_and_the_share_of_changed_weights():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 256, generator=g)
+    codes = torch.randint(-8, 8, (4, 256), generator=g).float()
+    scales = torch.rand(4, 2, 1, generator=g) + 0.1
+    quant = (codes.reshape(4, 2, 128) * scales).reshape(4, 256)      # at most 16 values in each group of 128
+    reference = _Weights(q_proj=ref, norm=torch.ones(8))
+    check = grid_check(_Weights(q_proj=quant, norm=torch.zeros(8)), reference, bits=4, group=128)
+    assert check["tensors"] == 1 and check["ok"] and check["max_distinct_per_group"] == 16
+    assert check["share_changed"] == 1.0
+    seventeen = quant.clone()
+    seventeen[0, 0] = 1e3                                           # a seventeenth value in group (0, 0)
+    assert not grid_check(_Weights(q_proj=seventeen), reference, bits=4, group=128)["ok"]
+    same = ref.clone()
+    same[:, :128] = quant[:, :128]
+    assert grid_check(_Weights(q_proj=same), reference, bits=8, group=128)["share_changed"] == 0.5
+    assert not grid_check(_Weights(norm=torch.ones(8)), reference, bits=4, group=128)["ok"]   # nothing quantized
+
+
+def test_chart_draws_every_positive_point_higher_for_more_kl_and_righter_for_more_seconds():
+    series = {"jgptq int4": [(10.0, 1e-5, 1e-6, "rtn"), (40.0, 2e-6, 2e-7, "gptq")],
+              "llm-compressor int4": [(900.0, 3e-6, 3e-7, "autoround"), (0.0, 1e-6, 0.0, "no time")]}
+    root = ET.fromstring(kl_seconds_chart(series, title="t"))
+    circles = {c.find("{http://www.w3.org/2000/svg}title").text.split(":")[0]: (float(c.get("cx")), float(c.get("cy")))
+               for c in root.iter("{http://www.w3.org/2000/svg}circle")}
+    assert set(circles) == {"jgptq int4 rtn", "jgptq int4 gptq", "llm-compressor int4 autoround"}
+    assert circles["jgptq int4 rtn"][1] < circles["llm-compressor int4 autoround"][1] < circles["jgptq int4 gptq"][1]
+    assert circles["jgptq int4 rtn"][0] < circles["jgptq int4 gptq"][0] < circles["llm-compressor int4 autoround"][0]
+    with pytest.raises(ValueError):
+        kl_seconds_chart({"empty": [(0.0, 0.0, 0.0, "x")]}, title="t")
+
+
+def test_llmcompressor_recipes_use_its_symmetric_presets_of_the_width_and_ignore_lm_head_and_routers():
+    pytest.importorskip("llmcompressor")
+    from benchmarks.quality.peers_worker import IGNORE, lc_recipe
+
+    gptq = lc_recipe("gptq", 3, 128)
+    assert gptq.scheme == "W3A16" and gptq.ignore == IGNORE
+    _, quant = lc_recipe("awq", 4, 128)
+    assert quant.scheme == "W4A16" and quant.ignore == IGNORE
+    with pytest.raises(ValueError):
+        lc_recipe("gptq", 4, 64)
