@@ -22,6 +22,21 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def integer_grid_options(p: argparse.ArgumentParser, *, windows: int, model=None) -> None:
+    """The options of the benchmarks that quantize a trained quality model onto integer grids and measure its KL on
+    held-out text: code widths, group size, calibration and evaluation windows, training steps, and with ``model``
+    (its default) the choice of trained model."""
+    p.add_argument("--bits", default="4,3", help="comma-separated code widths (default 4,3)")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--calib-seqs", type=int, default=128, help="calibration windows of --calib-len bytes")
+    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
+    p.add_argument("--windows", type=int, default=windows, help="held-out windows evaluated")
+    if model is not None:
+        p.add_argument("--model", default=model, choices=("quality", "deep"), help="which trained model")
+    p.add_argument("--train-steps", type=int, default=None, help="training steps (default: the trained model's)")
+
+
 def machine() -> dict:
     """What ran the benchmark: host, accelerator, library versions."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

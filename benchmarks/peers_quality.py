@@ -134,16 +134,9 @@ def _worker(side, spec, bits, args, folder, calib_path, work) -> dict:
 
 def main(argv=None):
     p = common.parser("peers_quality", DOC)
-    p.add_argument("--bits", default="4,3", help="comma-separated code widths (default 4,3)")
+    common.integer_grid_options(p, windows=128, model="deep")
     p.add_argument("--jgptq", default=JGPTQ_ROWS, help="jgptq rows: method[+field=value...], comma-separated")
     p.add_argument("--peers", default=PEER_ROWS, help="llm-compressor rows: gptq, awq, autoround")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--calib-seqs", type=int, default=128, help="calibration windows of --calib-len bytes")
-    p.add_argument("--calib-len", type=int, default=256)
-    p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
-    p.add_argument("--windows", type=int, default=128, help="held-out windows evaluated")
-    p.add_argument("--model", default="deep", choices=("quality", "deep"), help="which trained model")
-    p.add_argument("--train-steps", type=int, default=None, help="training steps (default: the model's)")
     p.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
     p.add_argument("--redo", action="store_true", help="quantize again even where --work holds a result")
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds allowed to one quantization")

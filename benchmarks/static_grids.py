@@ -27,13 +27,7 @@ DOC = __doc__.splitlines()[0]
 
 def main(argv=None):
     p = common.parser("static_grids", DOC)
-    p.add_argument("--bits", default="4,3", help="comma-separated code widths (default 4,3)")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--calib-seqs", type=int, default=128, help="calibration windows of --calib-len bytes")
-    p.add_argument("--calib-len", type=int, default=256)
-    p.add_argument("--n-ctx", type=int, default=256, help="evaluation window in tokens (bytes)")
-    p.add_argument("--windows", type=int, default=64, help="held-out windows evaluated")
-    p.add_argument("--train-steps", type=int, default=None, help="training steps (default: the quality model's)")
+    common.integer_grid_options(p, windows=64)
     args = p.parse_args(argv)
     if args.small:
         args.train_steps = args.train_steps or 4
