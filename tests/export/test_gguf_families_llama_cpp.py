@@ -71,11 +71,18 @@ def test_float32_export_matches_torch(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_q8_0_export_matches_torch(family, tmp_path):
     model, result = _quantized(family)
-    got = llama_cpp_logits(export_gguf(model, result, tmp_path / "q8_0.gguf", float_type="f32"))
+    _assert_runs_like_torch(f"{family} q8_0", export_gguf(model, result, tmp_path / "q8_0.gguf", float_type="f32"),
+                            model)
+
+
+def _assert_runs_like_torch(label: str, path, model) -> None:
+    """The quantized GGUF at ``path`` run by llama.cpp gives the logits of the torch ``model`` that holds the same
+    dequantized weights: relative error under 5%, top-1 agreement at least 90%."""
+    got = llama_cpp_logits(path)
     want = torch_logits(model)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     top1 = np.mean(got.argmax(-1) == want.argmax(-1))
-    print(f"{family} q8_0: relative error {rel:.3g}, top-1 agreement {top1:.3g}")
+    print(f"{label}: relative error {rel:.3g}, top-1 agreement {top1:.3g}")
     assert rel < 0.05 and top1 >= 0.9
 
 
@@ -103,12 +110,7 @@ def test_gpt_oss_mxfp4_moe_run_matches_torch(tmp_path):
             assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
             got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
             np.testing.assert_array_equal(got, w)
-    got = llama_cpp_logits(path)
-    want = torch_logits(model)
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    top1 = np.mean(got.argmax(-1) == want.argmax(-1))
-    print(f"gpt_oss mxfp4_moe (GPTQ): relative error {rel:.3g}, top-1 agreement {top1:.3g}")
-    assert rel < 0.05 and top1 >= 0.9
+    _assert_runs_like_torch("gpt_oss mxfp4_moe (GPTQ)", path, model)
 
 
 def test_gpt_oss_untruncated_yarn_runs_as_truncated(tmp_path):
