@@ -23,8 +23,10 @@ bound by the disk.
 Reported (JSON): seconds per layer by stage (``report.timings``: offload = waiting for the layer's read,
 calibrate, solve, write, store, replay), peak host RSS (``ru_maxrss``), peak GPU memory (torch and JAX), bytes
 read from the checkpoint and the most tensor bytes materialized at once, the written output's bytes, and the
-whole model extrapolated from the measured layers: dense and MoE layers apart (each kind's mean over its layers
-after the first of its kind, whose solve compiles), times the model's count of each.
+whole model extrapolated from the measured run: its total (set-up, compiles and the output's last writes
+included) plus every layer not measured at its kind's steady cost (dense and MoE apart: the mean of the kind's
+layers after the first, whose solve compiles; never below the output writer's seconds per layer, since the writer
+works beside the layers and would set the pace if it were slower).
 """
 
 from __future__ import annotations
@@ -159,19 +161,32 @@ def write_checkpoint(folder, s: dict, layers: int, shard_bytes: int, device: str
     return {"bytes": total, "seconds": time.perf_counter() - t0, "files": n}
 
 
-def extrapolate(timings: dict, s: dict, layers: int) -> dict:
-    """Seconds of the whole model (``s["layers"]`` layers, ``s["dense"]`` of them dense) from the measured layers:
-    each kind's mean over its measured layers after the first of its kind (compiling), or that first one alone."""
+def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s=None) -> dict:
+    """Seconds of the whole model (``s["layers"]`` layers, ``s["dense"]`` of them dense) from the measured run:
+    the measured total (set-up, compiles, the output's last writes included) plus each layer not measured at its
+    kind's steady cost. A kind's steady cost is the mean of its measured layers after the first (compiling), or that
+    first one alone, without the ``export`` stage (the wait for the writer at the end, counted once in the total);
+    but never below the writer's seconds per measured layer, since the output is written beside the work and a
+    writer slower than the layers would set the pace (``writer_busy_s`` over all measured layers: an upper bound,
+    as it includes the tensors outside the layers)."""
     def mean_of(idx):
         warm = idx[1:] or idx
-        return sum(sum(timings.get(i, {}).values()) for i in warm) / len(warm) if warm else None
+        if not warm:
+            return None
+        return sum(sum(v for k, v in timings.get(i, {}).items() if k != "export") for i in warm) / len(warm)
 
+    writer = writer_busy_s / layers if writer_busy_s else 0.0
     dense = [i for i in range(layers) if i < s["dense"]]
     moe = [i for i in range(layers) if i >= s["dense"]]
     d, m = mean_of(dense), mean_of(moe)
-    full = s["dense"] * (d or 0.0) + (s["layers"] - s["dense"]) * (m or 0.0)
-    return {"dense_layer_s": d, "moe_layer_s": m, "model_layers": s["layers"], "model_dense_layers": s["dense"],
-            "model_s": full, "model_h": full / 3600}
+    d_steady, m_steady = max(d or 0.0, writer), max(m or 0.0, writer)
+    more_dense = max(s["dense"] - len(dense), 0)
+    more_moe = max(s["layers"] - s["dense"] - len(moe), 0)
+    full = total + more_dense * d_steady + more_moe * m_steady
+    return {"dense_layer_s": d, "moe_layer_s": m, "writer_per_layer_s": writer or None,
+            "dense_layer_steady_s": d_steady if d is not None else None, "moe_layer_steady_s": m_steady,
+            "measured_total_s": total, "model_layers": s["layers"], "model_dense_layers": s["dense"],
+            "model_s": full, "model_h": full / 3600, "model_min": full / 60}
 
 
 def main(argv=None):
@@ -233,7 +248,7 @@ def main(argv=None):
             "memory": report.memory,
             "bytes_read": report.memory.get("streamed", {}).get("bytes_read"),
             "output_bytes": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(out_dir) for f in fs),
-            "whole_model": extrapolate(timings, s, layers),
+            "whole_model": extrapolate(timings, s, layers, total, report.memory.get("writer_busy_s")),
         })
         if cuda:
             import jax

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 
 from jgptq_torch.export import checkpoint as ckpt_mod
@@ -56,6 +57,7 @@ class CheckpointSink:
         self._kept: dict = {}            # decoder layer -> {state name: host tensor} of its unquantized tensors
         self._thread = self._error = self._result = None
         self.written = None
+        self.busy_s = None              # the writer's seconds at work (not waiting for records), once finished
 
     # -- the pipeline's calls -----------------------------------------------------------------------------------
     def start(self, model, result) -> None:
@@ -141,7 +143,9 @@ class CheckpointSink:
 
     def _entries(self):
         while True:
+            t0 = time.perf_counter()
             item = self._queue.get()
+            self._waited += time.perf_counter() - t0
             if isinstance(item, tuple) and item[0] is _END:
                 self._state = item[1]
                 if self._state is None:
@@ -158,6 +162,7 @@ class CheckpointSink:
         import tempfile
 
         scratch = Path(tempfile.mkdtemp(prefix="jgptq-export-"))
+        started, self._waited = time.perf_counter(), 0.0
         try:
             extra = ckpt_mod._extra_files(self.model, self.tokenizer, self.source_dir, scratch)
             common = dict(tensors=self._tensors(), model_config=ckpt_mod.model_config_dict(self.model),
@@ -176,3 +181,4 @@ class CheckpointSink:
                     break
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+            self.busy_s = time.perf_counter() - started - self._waited

@@ -48,7 +48,7 @@ class Offload(Hook):
         if note:
             error.add_note(note)
         run_setup.finish(run.placement, error is not None)
-        run.report.memory = run.placement.memory
+        run.report.memory.update(run.placement.memory)
 
 
 def _timed_move(run, i: int, move) -> None:
@@ -108,6 +108,8 @@ class Sink(Hook):
         t0 = time.perf_counter()
         self.sink.finish(run.result)
         run.report.add_time(max(len(run.layers) - 1, 0), "export", time.perf_counter() - t0)
+        if getattr(self.sink, "busy_s", None) is not None:   # a writer thread: how long it worked beside the run
+            run.report.memory["writer_busy_s"] = self.sink.busy_s
 
     def close(self, run, error) -> None:
         if error is not None:

@@ -21,4 +21,17 @@ def test_tiny_fp8_checkpoint_streams_and_reports(tmp_path):
     assert r["memory"]["streamed"]["peak_parameters"] < r["checkpoint"]["bytes"]
     assert r["output_bytes"] > 0 and set(r["per_layer_s"]) == {"0", "1", "2"}
     whole = r["whole_model"]
-    assert whole["model_s"] == whole["dense_layer_s"] + 2 * whole["moe_layer_s"]   # tiny: 1 dense + 2 MoE layers
+    assert whole["model_s"] == r["quantize_total_s"]          # tiny: every layer of the shape measured
+    assert 0 < r["memory"]["writer_busy_s"] < r["quantize_total_s"]
+
+
+def test_extrapolation_adds_unmeasured_layers_at_the_steady_cost():
+    shape = {"layers": 10, "dense": 2}
+    timings = {0: {"calibrate": 5.0, "solve": 3.0}, 1: {"calibrate": 1.0, "solve": 1.0},      # dense: 2.0 steady
+               2: {"calibrate": 9.0, "solve": 6.0}, 3: {"calibrate": 2.0, "solve": 1.0},      # MoE: 3.0 and 5.0
+               4: {"calibrate": 4.0, "solve": 1.0, "export": 30.0}}                           # export not per layer
+    w = stream_model.extrapolate(timings, shape, 5, total=70.0)
+    assert (w["dense_layer_s"], w["moe_layer_s"]) == (2.0, 4.0)
+    assert w["model_s"] == 70.0 + 0 * 2.0 + 5 * 4.0                  # 3 of 8 MoE layers measured
+    slow_writer = stream_model.extrapolate(timings, shape, 5, total=70.0, writer_busy_s=30.0)   # 6 s a layer
+    assert slow_writer["moe_layer_steady_s"] == 6.0 and slow_writer["model_s"] == 70.0 + 5 * 6.0
