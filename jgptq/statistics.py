@@ -187,6 +187,52 @@ def update_group(chain, states: list, index, x, mask, name: str = "activations")
     return list(_chain_program(tuple(s.slots for s in chain))(tuple(states), jnp.asarray(index), x, mask))
 
 
+_COMPILED: set = set()   # group programs already compiled by compile_groups: (slots, state avals, G, P, x, mask)
+
+
+def _aval(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+
+
+def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] = None) -> int:
+    """Compiles, side by side on threads, the programs :func:`update_group` will run for groups of experts of
+    each ``(G, P)`` in ``shapes`` (G slots of P rows, the columns and dtypes of ``x`` and ``mask``), so that a
+    forward meeting several new group shapes waits for about the slowest compile instead of their sum (a MoE
+    layer's first forwards meet a few dozen; XLA compiles each on one core). The jitted program then finds them
+    compiled: the results are those of compiling on first use.
+
+    ``states`` are the chain's (initialized) states; nothing is run or donated. Returns the number compiled (0
+    where the chain has no one-program form, or fewer than two shapes are new).
+    """
+    import concurrent.futures
+    import os
+
+    chain = list(chain)
+    if not chain or any(s.slots is None for s in chain):
+        return 0
+    slots = tuple(s.slots for s in chain)
+    state_avals = jax.tree.map(_aval, tuple(states))
+    base = (slots, str(state_avals), x.shape[-1], str(x.dtype), str(mask.dtype), str(_aval(x).sharding))
+    todo = [(g, p) for g, p in dict.fromkeys(shapes) if base + (g, p) not in _COMPILED]
+    if len(todo) < 2:
+        return 0
+    program = _chain_program(slots)
+    sharding_x, sharding_m = _aval(x).sharding, _aval(mask).sharding
+
+    def compile_one(gp):
+        g, p = gp
+        program.lower(state_avals, jax.ShapeDtypeStruct((g,), jnp.int32),
+                      jax.ShapeDtypeStruct((g, p, x.shape[-1]), x.dtype, sharding=sharding_x),
+                      jax.ShapeDtypeStruct((g, p), mask.dtype, sharding=sharding_m)).compile()
+        return gp
+
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jgptq-compile") as pool:
+        for gp in pool.map(compile_one, todo):
+            _COMPILED.add(base + gp)
+    return len(todo)
+
+
 def calibration(input_dtype: str = "float32", all_experts: bool = False) -> dict:
     """The statistics of the layerwise pipeline, in the order the capture applies them: ``{"hessian":``
     :func:`hessian_sum` ``(input_dtype, all_experts), "imatrix":`` :func:`importance` ``()}``."""

@@ -113,3 +113,39 @@ def test_a_chain_group_update_in_one_program_equals_the_updates_one_by_one(rng, 
         st.update_group(chain, [s.init(8, 6) for s in chain], [3, 0, 6, 0], x, mask)
     with pytest.raises(ValueError, match="do not match a state of 9 columns"):
         st.update_group(chain, [s.init(9, 6) for s in chain], index, x, mask)
+
+
+def test_group_programs_compiled_side_by_side_are_the_ones_the_updates_run(rng):
+    from jax._src import monitoring
+
+    chain = list(st.calibration("bfloat16").values())
+    device = jax.devices()[0]
+    shapes = [(2, 8), (4, 16), (2, 8), (8, 4)]
+    x0 = jax.device_put(jnp.zeros((1, 1, 24), jnp.bfloat16), device)
+    m0 = jax.device_put(jnp.zeros((1, 1), bool), device)
+    states = [s.init(24, 6, device) for s in chain]
+    assert st.compile_groups(chain, states, shapes, x0, m0, workers=2) == 3     # the repeated shape once
+    assert st.compile_groups(chain, states, shapes, x0, m0) == 0                # known now
+    cases = []
+    for g, p in dict.fromkeys(shapes):   # references first: the one-by-one updates compile programs of their own
+        x = jax.device_put(jnp.asarray(rng.standard_normal((g, p, 24)), jnp.bfloat16), device)
+        mask = jax.device_put(jnp.asarray(rng.random((g, p)) < 0.8), device)
+        index = [int(e) for e in rng.choice(6, g, replace=False)] if g <= 6 else [int(e) for e in rng.integers(0, 6, g)]
+        want = [s.update(s.init(24, 6, device), x, mask, index) for s in chain]
+        cases.append((index, x, mask, want, [s.init(24, 6, device) for s in chain]))
+    compiles = []
+
+    def listener(event, seconds, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = [st.update_group(chain, fresh, index, x, mask) for index, x, mask, _, fresh in cases]
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []                        # every group program was ready
+    for (_, _, _, want, _), out in zip(cases, got):
+        for a, b in zip(want, out):
+            for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+                assert np.array_equal(np.asarray(u), np.asarray(v))

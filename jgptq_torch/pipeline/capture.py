@@ -262,7 +262,7 @@ class Collector:
         layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
         chain = self._chain()
         states = [self.states_of[s].get(key) for s, _ in chain]
-        at = 0
+        at, shapes = 0, [(len(slots), p) for p, slots in groups]
         for p, slots in groups:
             g = len(slots)
             first, size = layout[at:at + g, 0, None], layout[at:at + g, 1, None]
@@ -278,6 +278,9 @@ class Collector:
                 for j, (_, statistic) in enumerate(chain):
                     if states[j] is None:
                         states[j] = statistic.init(c, n_exp, next(iter(xj.devices())))
+                if shapes:   # this call's new group shapes compiled side by side, once
+                    stats.compile_groups([s for _, s in chain], states, shapes, xj, mj)
+                    shapes = None
                 states = stats.update_group([s for _, s in chain], states, index, xj, mj, name=name)
         for (s, _), state in zip(chain, states):
             self.states_of[s][key] = state
