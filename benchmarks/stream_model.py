@@ -14,8 +14,11 @@ Shapes (``--shape``):
 - ``qwen3_235b``: Qwen3-235B-A22B: hidden 4096, 94 layers, 128 experts of width 1536, top-8, 64 query / 4
   key-value heads of 128, bf16.
 
-``--experts N`` keeps N routed experts a layer (the device budget's estimate of a whole DeepSeek-V3 MoE layer,
-218 GB, is over one H200; the per-layer figures then scale with the experts for the solve and the Hessians).
+``--experts N`` keeps N routed experts a layer instead of the shape's. A whole DeepSeek-V3 MoE layer is estimated
+at 218 GB on the device, over one H200: with ``--device-budget 120GB`` (or, on a GPU, without a budget: its free
+memory) its 256 routed experts are calibrated and solved a chunk at a time
+(:mod:`jgptq_torch.pipeline.expert_chunks`); the JSON's ``memory["expert_chunks"]`` gives the plan, and the
+``calibrate`` stage includes one more forward of the layer per chunk after the first.
 ``--tiny`` shrinks either shape to a few kilobytes a layer (a smoke run on a CPU). Weights are drawn on the
 GPU when there is one (FP8 codes drawn directly, with block scales near 0.02 / their spread), so writing is
 bound by the disk.
@@ -197,12 +200,14 @@ def main(argv=None):
                                                             "the dense ones + 2; --tiny: the tiny shape's)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per MoE layer instead of the shape's (a DeepSeek-V3 layer with all 256 is "
-                        "estimated at 218 GB on the device, over one H200: --experts 64 fits; the JSON says so)")
+                        "estimated at 218 GB on the device: under --device-budget, or a GPU's free memory, its experts "
+                        "go in chunks; the JSON's memory record gives the plan)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="GB per checkpoint shard (default: 4)")
     p.add_argument("--sequences", type=int, default=None, help="calibration sequences (default: 64; tiny: 8)")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: 2048; tiny: 32)")
     p.add_argument("--batch", type=int, default=None, help="sequences per forward (default: 8; tiny: 4)")
-    p.add_argument("--device-budget", default=None, help="bytes the run may place on the GPU, e.g. 120GB")
+    p.add_argument("--device-budget", default=None, help="bytes the run may place on the device, e.g. 120GB (a "
+                                                          "MoE layer over it goes in chunks of routed experts)")
     p.add_argument("--dir", default=None, help="where the checkpoint and output are written (default: a temporary"
                                                " folder, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the written checkpoint and output")
@@ -259,6 +264,8 @@ def main(argv=None):
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    if "memory" in out:
+        out["expert_chunks"] = out["memory"].get("expert_chunks", [])
     print({k: v for k, v in out.items() if k not in ("description", "shape", "per_layer_s", "memory")}, flush=True)
     common.write(args.out, out)
     return 0

@@ -144,6 +144,16 @@ class Solved:
             return whole
         return whole.take(index, rows, method=None if index is None else self.method[index])
 
+    @classmethod
+    def concat(cls, parts: Sequence[Solved]) -> Solved:
+        """One result of a stack solved in parts of consecutive matrices (in order, one plan): arrays and figures
+        joined on the leading axis, in host memory (numpy), without the dequantized weight."""
+        parts = [p.host() for p in parts]
+        arrays = {k: None if getattr(parts[0], k) is None else np.concatenate([getattr(p, k) for p in parts])
+                  for k in _ARRAYS + _FIGURES}
+        return dataclasses.replace(parts[0], method=sum((p.method for p in parts), ()),
+                                   reason=sum((p.reason for p in parts), ()), **arrays)
+
     def figures(self) -> dict:
         """Plain-Python per-matrix figures (lists of n): method, reason and the solver's figures."""
         out = {k: np.asarray(getattr(self, k)).tolist() for k in _FIGURES}

@@ -182,11 +182,24 @@ def _slot_products(x, mask, input_dtype: str):
     return x, h, counts
 
 
+def slot_squares(x):
+    """float32 (G, C) per-slot column sums of squares of a group ``x`` (G, P, C) (traced), summed over P by a fixed
+    pairwise tree: each slot's sums are the same bytes whatever G (a reduction over P compiles to other loops for a
+    smaller group on XLA:CPU), so experts added in groups of any size agree."""
+    sq = jnp.square(x.astype(jnp.float32))
+    while sq.shape[1] > 1:
+        if sq.shape[1] % 2:
+            sq = jnp.concatenate([sq, jnp.zeros_like(sq[:, :1])], axis=1)
+        half = sq.shape[1] // 2
+        sq = sq[:, :half] + sq[:, half:]
+    return sq[:, 0]
+
+
 @functools.partial(jax.jit, static_argnames=("input_dtype",), donate_argnums=(0, 1),
                    compiler_options=xla_options.gemm_options())
 def _accumulate_group(state: HessianState, sums, index, x, mask, input_dtype: str):
     x, h, counts = _slot_products(x, mask, input_dtype)
-    sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
+    sq = slot_squares(x)
     return (HessianState(state.hessian_sum.at[index].add(h), state.token_count.at[index].add(counts)),
             sums.at[index].add(sq))
 

@@ -120,7 +120,7 @@ def _squares_rows(state: SquaresState, index, x, mask) -> SquaresState:
 
 def _add_squares(state: SquaresState, index, x, mask) -> SquaresState:
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-    sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1)
+    sq = hessian.slot_squares(x)
     return SquaresState(state.sums.at[index].add(sq),
                         state.token_count.at[index].add(jnp.sum(mask, axis=1, dtype=jnp.int32)))
 

@@ -1,10 +1,11 @@
 """The device budget in plain numbers (jgptq_torch.pipeline.budget): the estimated need of a layer from its shapes (closed forms
-worked by hand below), whether moves run beside the work, the worst layer and its record, and the exact messages of
-a run over the budget."""
+worked by hand below), whether moves run beside the work, the worst layer and its record, the exact messages of
+a run over the budget, and the chunks of routed experts of a layer over it."""
 
 import pytest
 
-from jgptq_torch.pipeline.budget import Budget, DeviceBudgetError, LayerNeed, Verdict, estimate_need
+from jgptq_torch.pipeline.budget import (Budget, DeviceBudgetError, LayerNeed, LayerWork, Verdict, balanced,
+                                         chunk_note, chunk_summary, estimate_need)
 
 KB = 1000
 LAYER = 1000                                  # parameter bytes of each of three layers
@@ -116,3 +117,71 @@ def test_resident_layers_over_the_limit_point_to_offloading_when_it_would_fit():
     # no layer resident: nothing to offload, the layer's own message
     alone = budget("none", limit=2 * KB, device="cpu").assess([EVEN] * 3, ahead=False)
     assert alone.total == 2500 and alone.problem.startswith("decoder layer 0 alone needs about 2.00 kB on cpu")
+
+
+# a linear 3 x 4 and 8 experts (hidden 4, inter 2): by the closed form of the first test, with k experts per chunk
+# Hessians 4 * (16 + 20k), results 4 * (12 + 24k), largest bucket 4 * max(28, 32k): total 222 + 304k (k >= 1)
+EXPERTS = LayerWork(100, 10, ((1, 3, 4, "linear"), (8, 4, 4, "expert_gate_up"), (8, 4, 2, "expert_down")), False)
+
+
+def test_a_layer_needs_less_with_fewer_experts_per_chunk():
+    assert EXPERTS.experts == 8 and EXPERTS.need() == EXPERTS.need(8) == estimate_need(100, 10, EXPERTS.matrices, False)
+    assert [EXPERTS.need(k).total for k in (1, 2, 3, 8)] == [526, 830, 1134, 2654]
+    assert EXPERTS.need(1) == LayerNeed(100, 10, 4 * 36, 4 * (36 + 32))
+    assert LayerWork(1, 2, EXPERTS.matrices, False, chunkable=False).experts == 0
+    assert LayerWork(1, 2, ((1, 3, 4, "linear"),), False).experts == 0
+    assert balanced(8, 3) == (3, 3, 2) and balanced(8, 2) == (2, 2, 2, 2) and balanced(8, 7) == (4, 4)
+    assert balanced(256, 125) == (86, 85, 85) and balanced(5, 9) == (5,)
+
+
+def test_a_layer_over_the_limit_goes_in_the_fewest_chunks_that_fit():
+    for limit, sizes in [(500 + 2654, None), (500 + 222 + 304 * 7, (4, 4)), (500 + 222 + 304 * 3, (3, 3, 2)),
+                         (500 + 222 + 304 * 3 - 1, (2, 2, 2, 2)), (500 + 526, (1,) * 8)]:
+        verdict = budget(limit=limit).assess([EXPERTS] * 3, ahead=False)
+        assert verdict.fits, limit
+        assert verdict.chunks == ({} if sizes is None else dict.fromkeys(range(3), sizes))
+        assert verdict.need == EXPERTS.need(max(sizes or (8,))) and verdict.total <= limit
+        assert ("experts_per_chunk" in verdict.record()) == (sizes is not None)
+    record = budget(limit=1634).assess([EXPERTS, LayerNeed(100, 10, 100, 100), EXPERTS], ahead=False)
+    assert record.chunks == {0: (3, 3, 2), 2: (3, 3, 2)}      # a fixed need is never split
+    assert record.record() == {"layer": 0, "parameters": 100, "activations": 10, "hessians": 4 * 76,
+                               "solve": 4 * 180, "other_on_device": 500, "total": 1634, "experts_per_chunk": 3}
+    summary = chunk_summary(record.chunks)
+    assert summary == [{"layers": [0, 2], "experts": 8, "chunks": 3, "experts_per_chunk": [3, 3, 2]}]
+    assert chunk_note(summary, "cuda:0") == ("routed experts a chunk at a time to fit cuda:0: layers 0,2: 8 routed "
+                                             "experts in 3 chunks of 3/2")
+    assert chunk_summary({3: (2, 2), 4: (2, 2), 5: (3, 3, 2)}) == [
+        {"layers": [3, 4], "experts": 4, "chunks": 2, "experts_per_chunk": [2, 2]},
+        {"layers": [5], "experts": 8, "chunks": 3, "experts_per_chunk": [3, 3, 2]}]
+    assert chunk_note([], "cpu") == ""
+
+
+def test_only_one_expert_per_chunk_over_the_limit_is_refused():
+    verdict = budget(limit=500 + 525).assess([EXPERTS] * 3, ahead=False)
+    assert not verdict.fits and verdict.need == EXPERTS.need(1) and verdict.chunks == dict.fromkeys(range(3), (1,) * 8)
+    assert verdict.problem.startswith("decoder layer 0 alone needs about 526 B on cuda:0 with one of its 8 routed "
+                                      "experts at a time (parameters 100 B, activations 10 B, Hessians 144 B, solve "
+                                      "272 B), plus 500 B of tensors that stay there: 1.03 kB, over device_budget")
+    whole = LayerWork(100, 10, EXPERTS.matrices, False, chunkable=False)  # several experts modules: never split
+    stuck = budget(limit=2000).assess([whole] * 3, ahead=False)
+    assert not stuck.fits and stuck.chunks == {} and stuck.need == EXPERTS.need()
+    assert stuck.problem.startswith("decoder layer 0 alone needs about 2.65 kB on cuda:0 (parameters")
+
+
+def test_without_a_limit_chunks_follow_the_room_and_never_refuse():
+    roomy = Budget("cpu", None, (LAYER,) * 3, OTHER, room=500 + 1134)
+    assert roomy.assess([EXPERTS] * 3, ahead=False).chunks == dict.fromkeys(range(3), (3, 3, 2))
+    tight = Budget("cpu", None, (LAYER,) * 3, OTHER, room=10).assess([EXPERTS] * 3, ahead=False)
+    assert tight.fits and tight.chunks == dict.fromkeys(range(3), (1,) * 8)
+    assert budget().assess([EXPERTS] * 3, ahead=False).chunks == {}          # no limit, no room: whole layers
+
+
+def test_moves_ahead_stay_only_when_they_cost_no_extra_chunk():
+    # with both neighbours on the device (2 x 1000 B) the layers need chunks; in line they fit whole
+    verdict = budget(limit=500 + 2000 + 222 + 304 * 3).assess([EXPERTS] * 3, ahead=True)
+    assert (verdict.ahead, verdict.chunks, verdict.need) == (False, {}, EXPERTS.need())
+    roomy = budget(limit=500 + 2000 + 2654).assess([EXPERTS] * 3, ahead=True)
+    assert (roomy.ahead, roomy.chunks) == (True, {})
+    # no room in line either: the same chunks both ways, so the moves stay beside the work
+    room = Budget("cpu", None, (LAYER,) * 3, OTHER, room=10).assess([EXPERTS] * 3, ahead=True)
+    assert room.ahead and room.chunks == dict.fromkeys(range(3), (1,) * 8)

@@ -71,3 +71,18 @@ def next_token_kl(reference, model, ids) -> float:
         p = torch.log_softmax(reference(ids).logits.double(), -1)
         q = torch.log_softmax(model(ids).logits.double(), -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def chunk_budget(float_model, result, per_chunk: int, layer: int = 0) -> int:
+    """The device budget (cpu offload) under which decoder layer ``layer`` of ``float_model`` fits ``per_chunk``
+    routed experts at a time and no more: the tensors outside the layers plus the layer's need with that chunk
+    (``result``: a run of the same model and calibration, for its measured activations)."""
+    from jgptq_torch import models
+    from jgptq_torch.pipeline import offload
+
+    mem = result.report.memory
+    decoder = float_model.model.layers[layer]
+    work = offload.layer_need(decoder, models.layer_targets(decoder), mem["activations_measured"],
+                              result.config.moe.calibration == "all_experts")
+    assert work.need(per_chunk).total < work.need(per_chunk + 1).total
+    return mem["other_on_device"] + work.need(per_chunk).total

@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of the layer files of --offload disk (default: OUT.jgptq-work/offload)")
     r.add_argument("--device-budget", metavar="SIZE",
                    help="bytes the run may place on the device, e.g. 40GB: checked against each layer's estimated "
-                        "need before any work (default: no check)")
+                        "need before any work; a MoE layer over it has its routed experts calibrated and solved a "
+                        "chunk at a time (default: no check; on a GPU, chunks as its free memory needs)")
     r.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     r.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model folder's own Python code to run (off unless given)")

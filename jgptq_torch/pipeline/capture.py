@@ -11,6 +11,12 @@ The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian
   with ``model.set_experts_implementation`` (:mod:`jgptq_torch.pipeline.experts_capture`): it computes the layer output like
   the eager loop and hands each expert's gate/up input rows and down input rows to the active :class:`Collector`.
 
+A collector made with ``span=(lo, hi)`` keeps the experts' statistics of experts ``lo <= e < hi`` only (entry
+``e - lo`` of their stacks): a chunk of a layer's routed experts (:mod:`jgptq_torch.pipeline.expert_chunks`). It
+groups only those experts; each expert's statistics are still the same bytes as a collector of every expert's,
+since a slot's sums do not depend on the size of its group (the Hessian's per-slot products; the squares' fixed
+pairwise tree, :func:`jgptq.hessian.slot_squares`).
+
 Calibration modes: ``routed`` (an expert sees the tokens the router sends it) and ``all_experts`` (a statistic made
 with ``all_experts``, the Hessian in that mode, sees every token at its gate/up and down inputs; the output still
 uses the routed rows only, so it is exactly the routed output; gate/up of all experts then share one state).
@@ -86,10 +92,12 @@ class Collector:
       experts: relative name -> (module, :class:`jgptq_torch.models.ExpertsLayout`).
       statistics: name -> :class:`jgptq.statistics.Statistic` (default :func:`jgptq.statistics.calibration`: the
         float32 Hessian sum and the importance statistic).
+      span: (lo, hi): the experts' statistics keep experts ``lo <= e < hi`` only, as entries ``e - lo`` (None: all).
+        Routed token counts (:attr:`routed`) are kept for every expert.
     """
 
-    def __init__(self, linears: dict, experts: dict, statistics: dict = None):
-        self.linears, self.experts = linears, experts
+    def __init__(self, linears: dict, experts: dict, statistics: dict = None, span=None):
+        self.linears, self.experts, self.span = linears, experts, span
         self.statistics = dict(stats.calibration() if statistics is None else statistics)
         self.states_of = {name: {} for name in self.statistics}   # statistic name -> key -> state
         self.tie: dict = {}                       # linear name -> state key
@@ -143,6 +151,20 @@ class Collector:
             self._keep = None
 
     # -- accumulation ----------------------------------------------------------------------------------------
+    def _kept(self, n_exp: int) -> tuple:
+        """(lo, hi): the experts of a module of ``n_exp`` experts whose statistics this collector keeps."""
+        lo, hi = self.span or (0, n_exp)
+        return min(lo, n_exp), min(hi, n_exp)
+
+    def sees(self, module, e: int) -> bool:
+        """Whether expert ``e`` of experts module ``module`` has statistics here (the experts forward skips the
+        work of feeding the others)."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return False
+        lo, hi = self._kept(self.experts[name][1].num_experts)
+        return lo <= e < hi
+
     def _rows_keep(self, rows: int, what: str):
         if self._keep is None:
             return None
@@ -203,23 +225,25 @@ class Collector:
 
     def expert_inputs(self, module, e: int, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor):
         """Called by :func:`experts_forward` for expert ``e`` when a statistic sees every token
-        (:attr:`all_experts`): gate/up input rows x and down input rows h of every token, and the routed token ids
-        ``tok``. Statistics of every token get all rows (gate/up: one state shared by the experts); the others get
-        the routed rows."""
+        (:attr:`all_experts`): gate/up input rows x and down input rows h of every token (None for an expert this
+        collector does not keep: :meth:`sees`), and the routed token ids ``tok``. Statistics of every token get
+        all rows (gate/up: one state shared by the experts); the others get the routed rows."""
         name = self._module_names.get(id(module))
         if name is None:
             return
-        lay = self.experts[name][1]
+        lo, hi = self._kept(self.experts[name][1].num_experts)
         keep = self._keep
         routed_keep = None if keep is None else keep[tok]
         self.routed[name][e] += int(tok.numel() if routed_keep is None else routed_keep.sum())
         every = self._chain(all_experts=True)
         if e == 0:
             self._add((name, "gate_up"), x, self._rows_keep(x.shape[0], name), name=f"{name} gate/up", chain=every)
-        self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e, size=lay.num_experts,
+        if not lo <= e < hi:   # another chunk's expert (``h`` is then None)
+            return
+        self._add((name, "down"), h, self._rows_keep(h.shape[0], name), index=e - lo, size=hi - lo,
                   name=f"{name} down", chain=every)
         for part, rows in (("gate_up", x), ("down", h)):
-            self._add((name, part), rows[tok], routed_keep, index=e, size=lay.num_experts, name=f"{name} {part}",
+            self._add((name, part), rows[tok], routed_keep, index=e - lo, size=hi - lo, name=f"{name} {part}",
                       chain=self._chain(all_experts=False))
 
     def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
@@ -248,12 +272,15 @@ class Collector:
 
         ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
         computed positions (padding positions read any row and are masked out), so that packing needs no
-        device synchronization beyond one small copy of the group layout per call."""
+        device synchronization beyond one small copy of the group layout per call. With a span, only the kept
+        experts are grouped (entries ``e - lo``)."""
         c, dev = rows.shape[-1], rows.device
+        lo, hi = self._kept(n_exp)
         starts = [0] * n_exp
         for e in range(1, n_exp):
             starts[e] = starts[e - 1] + counts[e - 1]
-        groups = _group_layout(counts, c * rows.element_size(), _accelerator(dev))
+        kept = [n if lo <= e < hi else 0 for e, n in enumerate(counts)]
+        groups = _group_layout(kept, c * rows.element_size(), _accelerator(dev))
         if not groups:
             return
         # the layout of every group (first row, rows) in one small host-to-device copy
@@ -268,7 +295,7 @@ class Collector:
             first, size = layout[at:at + g, 0, None], layout[at:at + g, 1, None]
             at += g
             span = torch.arange(p, device=dev)
-            index = [e if e >= 0 else slots[0] for e in slots]  # padding slots add nothing
+            index = [(e if e >= 0 else slots[0]) - lo for e in slots]  # padding slots add nothing
             for offset in range(0, max(counts[e] for e in slots if e >= 0), p):
                 valid = (offset + span) < size                                   # (g, p)
                 idx = torch.where(valid, first + offset + span, 0)
@@ -277,7 +304,7 @@ class Collector:
                 xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
                 for j, (_, statistic) in enumerate(chain):
                     if states[j] is None:
-                        states[j] = statistic.init(c, n_exp, next(iter(xj.devices())))
+                        states[j] = statistic.init(c, hi - lo, next(iter(xj.devices())))
                 if shapes:   # this call's new group shapes compiled side by side, once
                     stats.compile_groups([s for _, s in chain], states, shapes, xj, mj)
                     shapes = None

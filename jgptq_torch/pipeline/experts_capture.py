@@ -135,7 +135,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         if every:
             # Hessians from every token; the output below is recomputed from the routed rows alone, so that it
             # is bit-identical to routed calibration (matmul blocking depends on the row count).
-            collector.expert_inputs(self, e, hidden_states, _up_projection(self, lay, hidden_states, e), tok)
+            h = _up_projection(self, lay, hidden_states, e) if collector.sees(self, e) else None
+            collector.expert_inputs(self, e, hidden_states, h, tok)
             if counts[e] == 0:
                 continue
         x = hidden_states[tok]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from jgptq import statistics
+from jgptq_torch.pipeline import importance
 from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
@@ -31,7 +32,8 @@ def enabled(cfg, given) -> bool:
 
 class FloatStream(Hook):
     """Carries ``run.float_hidden`` (one (B, S, H) tensor per batch: the current layer's float inputs; None after
-    the last layer) and hands each layer's step the importance statistic collected on it."""
+    the last layer) and hands each layer's step the importance statistic collected on it. A layer in chunks of
+    routed experts is seen on its first pass: the float pass covers every expert."""
 
     def __init__(self):
         self.shared = False
@@ -42,6 +44,8 @@ class FloatStream(Hook):
         return hidden
 
     def before_calibrate(self, run, step: LayerStep) -> None:
+        if not step.first:
+            return
         # the float stream's inputs are the run's (the first layer): the calibration forward serves both
         target = run.targets[step.index]
         self.shared = run.float_hidden is step.hidden and bool(target.linears or target.experts)
@@ -49,13 +53,14 @@ class FloatStream(Hook):
             step.keep_outputs = True
 
     def after_calibrate(self, run, step: LayerStep) -> None:
-        if run.float_hidden is None:
+        if run.float_hidden is None or not step.first:
             return
         step.stage("float")
         if self.shared:
             run.float_hidden = step.outputs
             return
-        step.imatrix_from = self.float_pass(run, step)
+        i = step.index
+        step.imatrix = importance.layer_imatrix(self.float_pass(run, step), run.prefix, i, run.targets[i])
 
     @staticmethod
     def float_pass(run, step: LayerStep):

@@ -12,7 +12,13 @@ import sys
 import time
 
 from jgptq.surface import option
-from jgptq_torch.pipeline import float_stream, importance, run_setup, weight_checks
+from jgptq_torch.pipeline import (
+    expert_chunks,
+    float_stream,
+    importance,
+    run_setup,
+    weight_checks,
+)
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
 from jgptq_torch.pipeline.solve import solve_shapes, warm_solves
@@ -24,7 +30,8 @@ SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a
 class Offload(Hook):
     """The layers' places (``run.placement``): put in place before the first layer, each layer fetched to the
     device before its step and put back after it (timed as the ``offload`` stage when the mode moves layers),
-    the activations checked against the device budget once captured, the placement ended with the run."""
+    the activations checked against the device budget once captured (and its chunks of routed experts said), the
+    placement ended with the run."""
 
     def start(self, run, first: int) -> None:
         if first < len(run.layers):
@@ -33,6 +40,7 @@ class Offload(Hook):
     def inputs(self, run, first: int, hidden: list, layer_inputs: list) -> list:
         extra = 0 if run.float_hidden is None else offload_mod.nbytes(hidden)   # the float stream's own set
         run.placement.check_activations(offload_mod.captured_bytes(hidden, layer_inputs, run.device) + extra)
+        expert_chunks.say_plan(run.placement, run.cfg.progress)
         return hidden
 
     def before_layer(self, run, i: int) -> None:
@@ -59,8 +67,9 @@ def _timed_move(run, i: int, move) -> None:
 
 
 class WarmUp(Hook):
-    """A layer of shapes not seen before: its solve programs compile on a thread beside its calibration
-    (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its solve."""
+    """A pass of shapes not seen before (a layer's, or a chunk's of its routed experts): its solve programs compile
+    on a thread beside its calibration (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its
+    solve."""
 
     def __init__(self):
         self.warmed: set = set()
@@ -68,11 +77,12 @@ class WarmUp(Hook):
 
     def before_calibrate(self, run, step: LayerStep) -> None:
         step.stage("compile")
-        shapes = solve_shapes(run.targets[step.index])
+        chunk = None if step.span is None else step.span[1] - step.span[0]
+        shapes = solve_shapes(step.target, chunk)
         if shapes <= self.warmed:
             return
         self.warmed.update(shapes)
-        self.thread = warm_solves(run.targets[step.index], run.cfg, devices=run.devices)
+        self.thread = warm_solves(step.target, run.cfg, devices=run.devices, chunk=chunk)
 
     def before_solve(self, run, step: LayerStep) -> None:
         if self.thread is not None:

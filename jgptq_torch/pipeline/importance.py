@@ -2,7 +2,8 @@
 encoders get from it (which format each weight gets is :mod:`jgptq.plan`'s decision).
 
 - :func:`layer_imatrix`: the statistic of one calibrated layer by model parameter name
-  (:class:`jgptq.imatrix.ImatrixEntry`: per expert, routed tokens only);
+  (:class:`jgptq.imatrix.ImatrixEntry`: per expert, routed tokens only), of a chunk of its experts
+  (:func:`span_entries` takes a chunk's rows of a whole layer's);
 - :func:`check_imatrix`: a user-given statistic checked against every target weight before any work;
 - :func:`importance_of`: the per-column importance handed to the encoders (``PipelineConfig.importance``).
 """
@@ -41,17 +42,42 @@ def check_imatrix(given: Mapping, prefix: str, targets: list) -> None:
                                  f"{np.asarray(entry.counts).shape}; expected sums {want} and counts ({want[0]},)")
 
 
-def layer_imatrix(collector, prefix: str, layer_idx: int, target) -> dict:
+def expert_rows(m, span) -> tuple:
+    """(lo, hi): the experts of matrix ``m`` (a :class:`jgptq_torch.models.Matrix`) in ``span`` (every one when
+    ``span`` is None or ``m`` is a linear module's)."""
+    if span is None or m.layout is None:
+        return 0, m.count
+    return min(span[0], m.count), min(span[1], m.count)
+
+
+def layer_imatrix(collector, prefix: str, layer_idx: int, target, span=None) -> dict:
     """The importance statistic of a calibrated layer: model parameter name -> :class:`ImatrixEntry` (an expert
-    or a module never reached has zero sums and a zero count)."""
+    or a module never reached has zero sums and a zero count). With ``span`` (lo, hi), the collector's, experts
+    stacks have the entries of experts lo..hi-1 only."""
     out = {}
     base = f"{prefix}.{layer_idx}"
     for m in target.matrices():
+        lo, hi = expert_rows(m, span)
         key = collector.tie.get(m.hessian_key) if m.layout is None else m.hessian_key
         got = None if key is None else collector.importance_statistic(key)
         if got is None:
-            got = (np.zeros((m.count, m.cols), np.float32), np.zeros((m.count,), np.float32))
+            got = (np.zeros((hi - lo, m.cols), np.float32), np.zeros((hi - lo,), np.float32))
         out[m.param_name(base)] = ImatrixEntry(*got)
+    return out
+
+
+def span_entries(entries: Mapping, prefix: str, layer_idx: int, target, span) -> dict:
+    """The entries of a layer's ``target`` weights in ``entries`` (a whole layer's, e.g. a given imatrix), of
+    experts ``span`` (lo, hi) only for experts stacks; ``entries`` itself when ``span`` is None."""
+    if span is None:
+        return entries
+    out, base = {}, f"{prefix}.{layer_idx}"
+    for m in target.matrices():
+        entry, (lo, hi) = entries[m.param_name(base)], expert_rows(m, span)
+        if m.layout is not None:
+            sums, counts = np.asarray(entry.sums), np.asarray(entry.counts)
+            entry = ImatrixEntry(sums.reshape(-1, sums.shape[-1])[lo:hi], counts.reshape(-1)[lo:hi])
+        out[m.param_name(base)] = entry
     return out
 
 

@@ -54,7 +54,14 @@ from jgptq.config import PipelineConfig
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
-from jgptq_torch.pipeline import capture, float_stream, hooks, importance, run_setup
+from jgptq_torch.pipeline import (
+    capture,
+    expert_chunks,
+    float_stream,
+    hooks,
+    importance,
+    run_setup,
+)
 from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.pipeline.run_setup import Run
@@ -165,15 +172,21 @@ def _run_layers(run: Run, start: int) -> None:
 
 
 def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage=lambda name: None) -> list:
-    """One decoder layer: calibrate -> solve -> write back -> replay, each named to ``stage`` as it starts, with
-    the hooks' points inside (:class:`jgptq_torch.pipeline.step.LayerStep`). Returns the next layer's inputs."""
-    step = LayerStep(i, layer, hidden, layer_inputs, stage)
-    run.hooks.before_calibrate(run, step)
-    stage("calibrate")
-    _calibrate(run, step)
-    run.hooks.after_calibrate(run, step)
-    stage("solve")
-    solved = _solve(run, step)
+    """One decoder layer: calibrate -> solve, once for the whole layer or once per chunk of its routed experts
+    (:class:`jgptq_torch.pipeline.expert_chunks.Passes`), then write back -> replay; each stage named to ``stage``
+    as it starts, with the hooks' points inside (:class:`jgptq_torch.pipeline.step.LayerStep`). Returns the next
+    layer's inputs."""
+    step, passes = LayerStep(i, layer, hidden, layer_inputs, stage), expert_chunks.Passes(run, i)
+    for span, target in passes:
+        step.begin(span, target)
+        run.hooks.before_calibrate(run, step)
+        stage("calibrate")
+        _calibrate(run, step)
+        run.hooks.after_calibrate(run, step)
+        stage("solve")
+        passes.add(run, span, *_solve(run, step))
+    solved = passes.joined(run, step.imatrix)
+    _report(run, step, solved)
     _write_back(run, i, solved)
     if i == len(run.layers) - 1:
         return hidden
@@ -183,28 +196,33 @@ def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage
 
 def _calibrate(run: Run, step: LayerStep) -> None:
     """Runs the float layer on every batch with the capture attached (:func:`jgptq_torch.pipeline.calibrate.
-    calibrate`): the step's Collector, and its outputs when a hook asked for them."""
-    i, target, cfg = step.index, run.targets[step.index], run.cfg
+    calibrate`) on the pass's targets and experts: the step's Collector, and its outputs when a hook asked for
+    them."""
+    i, target, cfg = step.index, step.target, run.cfg
     t0 = time.perf_counter()
+    chunk = "" if step.span is None else f" experts {step.span[0]}-{step.span[1] - 1}"
     step.collector, step.outputs = calibrate(step.layer, i, target, statistics_of(cfg), step.hidden,
-                                             step.layer_inputs, run.batch_list, keep_outputs=step.keep_outputs,
-                                             desc=f"layer {i} calibrate", progress=cfg.progress)
+                                             step.layer_inputs, run.batch_list, span=step.span,
+                                             keep_outputs=step.keep_outputs, desc=f"layer {i} calibrate{chunk}",
+                                             progress=cfg.progress)
     if target.linears or target.experts:
         jax.block_until_ready([s for s in step.collector.states.values()])
         run.placement.note_hessians(step.collector.states)
     run.report.add_time(i, "calibrate", time.perf_counter() - t0)
 
 
-def _solve(run: Run, step: LayerStep) -> list:
-    """The layer's importance statistic (from ``step.imatrix_from``, default its collector), expert coverage and
-    one quantize call per bucket."""
+def _solve(run: Run, step: LayerStep) -> tuple:
+    """The pass's expert coverage, importance statistic (its collector's; the stacks' from a given imatrix or a
+    hook's, ``step.imatrix``, when there is one) and one quantize call per bucket. Returns (the solved
+    [(Matrix, parameter name, Stack, Solved)], the collector's importance entries)."""
     t0 = time.perf_counter()
-    i, collector = step.index, step.collector
-    target, base, report = run.targets[i], f"{run.prefix}.{i}", run.report
+    i, collector, span, target = step.index, step.collector, step.span, step.target
+    base, report = f"{run.prefix}.{i}", run.report
     threshold = run.cfg.moe.threshold(collector.batch_tokens)
-    stats = importance.layer_imatrix(step.imatrix_from or collector, run.prefix, i, target)
-    run.result.imatrix.update(stats)
-    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats if run.given is None else run.given)
+    own = importance.layer_imatrix(collector, run.prefix, i, target, span)
+    given = run.given if run.given is not None else step.imatrix
+    stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
+    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, span)
     for name, counts in collector.routed.items():
         if collector.batch_tokens and not sum(counts):
             raise models.UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "
@@ -212,23 +230,31 @@ def _solve(run: Run, step: LayerStep) -> list:
         report.coverage[f"{base}.{name}"] = list(counts)
         report.thresholds[f"{base}.{name}"] = threshold
     if run.cfg.keep_hessians:
-        for key in collector.states:
-            run.result.hessians[(i, key)] = collector.hessian(key)
+        expert_chunks.keep_hessians(run.result.hessians, i, collector, span)
     run.hooks.before_solve(run, step)
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
-    for m, _, stack, res in solved:
-        _record(report, i, m, stack, res, res.plan.threshold(threshold))
     report.add_time(i, "solve", time.perf_counter() - t0)
-    return solved
+    return solved, own
+
+
+def _report(run: Run, step: LayerStep, solved: list) -> None:
+    """The report's records and warnings of the layer's solved stacks."""
+    t0 = time.perf_counter()
+    threshold = run.cfg.moe.threshold(step.collector.batch_tokens)
+    for m, _, stack, res in solved:
+        _record(run.report, step.index, m, stack, res, res.plan.threshold(threshold))
+    run.report.add_time(step.index, "solve", time.perf_counter() - t0)
 
 
 def _write_back(run: Run, i: int, solved: list) -> None:
-    """Copies the dequantized weights into the torch parameters in place; the records are made beside the next
-    layer."""
+    """Copies the dequantized weights into the torch parameters in place (those not written yet: a result without
+    a weight was, a chunk at a time); the records are made beside the next layer."""
     t0 = time.perf_counter()
     with torch.no_grad():
         for m, _, _, res in solved:
+            if res.weight is None:
+                continue
             dst = m.weight()
             dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
     run.stores.submit(i, run.names, [(m, param, dataclasses.replace(res, weight=None))

@@ -27,7 +27,9 @@ Device budget (``PipelineConfig.device_budget``): before any work, each layer's 
 statistics of its targets, the solver's results and working set) and added to what stays on the device (tensors
 outside the layers; with ``"none"``, the layers that start there). The arithmetic and the decisions on it are
 :mod:`jgptq_torch.pipeline.budget` (plain numbers); :class:`Placement` measures the model and does the moves. Over the budget,
-the run stops with :class:`DeviceBudgetError` before anything is written. During the run the pipeline books every
+the run stops with :class:`DeviceBudgetError` before anything is written; a MoE layer over it has its routed
+experts go in chunks (:mod:`jgptq_torch.pipeline.expert_chunks`), planned against the free memory of an
+accelerator when no budget is given. During the run the pipeline books every
 layer it places on the device; the peak, the measured activation and Hessian bytes, the peak of parameter bytes in
 host memory and (on CUDA) ``torch.cuda.max_memory_allocated`` go to ``report.memory``. Transient tensors of the
 forward (attention scores, expert intermediates) are not estimated: leave headroom.
@@ -45,7 +47,8 @@ import torch
 from torch import nn
 
 from jgptq_torch.pipeline.budget import (  # noqa: F401 - DeviceBudgetError: public here too
-    Budget, DeviceBudgetError, LayerNeed, estimate_need)
+    Budget, DeviceBudgetError, LayerNeed, LayerWork, chunk_summary, estimate_need)
+from jgptq_torch.pipeline.expert_chunks import device_room
 from jgptq_torch.pipeline.layer_files import (  # noqa: F401 - layer_file, load_layer, reload_all: public here too
     LayerFolder, check_not_shared, host_bytes, is_released, layer_file, load_layer, nbytes, read_layer, release_layer,
     reload_all, unique_tensors, write_layer)
@@ -57,12 +60,13 @@ PREPARE_WORKERS = 8  # threads that move (or write) the layers to their places b
 STAGED_MOVES = os.environ.get("JGPTQ_STAGED_MOVES", "1") != "0"
 
 
-def layer_need(layer, target, activations: int, all_experts: bool) -> LayerNeed:
-    """The :class:`jgptq_torch.pipeline.budget.LayerNeed` of ``layer`` with targets ``target``
-    (:func:`jgptq_torch.models.layer_targets`) and ``activations`` bytes of calibration activations
-    (:func:`jgptq_torch.pipeline.budget.estimate_need` on the layer's bytes and its targets' shapes)."""
-    shapes = [(m.count, m.rows, m.cols, m.kind) for m in target.matrices()]
-    return estimate_need(nbytes(unique_tensors(layer).values()), activations, shapes, all_experts)
+def layer_need(layer, target, activations: int, all_experts: bool) -> LayerWork:
+    """The :class:`jgptq_torch.pipeline.budget.LayerWork` of ``layer`` with targets ``target``
+    (:func:`jgptq_torch.models.layer_targets`) and ``activations`` bytes of calibration activations: the layer's
+    bytes and its targets' shapes; its routed experts may go in chunks when it has one experts module."""
+    shapes = tuple((m.count, m.rows, m.cols, m.kind) for m in target.matrices())
+    return LayerWork(nbytes(unique_tensors(layer).values()), activations, shapes, all_experts,
+                     chunkable=len(target.experts) == 1)
 
 
 def hidden_bytes(model, batch_list) -> int:
@@ -154,12 +158,16 @@ class Placement:
         self.homes = [run_device(None, layer) for layer in layers]
         other = [t for k, t in unique_tensors(model).items() if k not in in_layers]
         resident = {i for i, h in enumerate(self.homes) if _same_device(h, device)} if self.mode == "none" else set()
-        self.budget = Budget("disk" if source is not None else self.mode, cfg.device_budget, tuple(nbytes(unique_tensors(la).values()) for la in layers),
-                             nbytes(t for t in other if _same_device(t.device, device)), frozenset(resident),
-                             str(device))
+        sizes = tuple(nbytes(unique_tensors(la).values()) for la in layers)
+        here = nbytes(t for t in other if _same_device(t.device, device))
+        room = None if cfg.device_budget is not None else device_room(
+            device, here + sum(b for b, h in zip(sizes, self.homes) if _same_device(h, device)))
+        self.budget = Budget("disk" if source is not None else self.mode, cfg.device_budget, sizes, here,
+                             frozenset(resident), str(device), room)
         self.on_device = set(resident)               # layers booked on the device
         self.peak = self.peak_host = 0
         self.needs: list = []
+        self.chunks: dict = {}                       # layer -> sizes of its chunks of routed experts
         # moves run ahead (next layer in, finished layer out, beside the work) unless layers share tensors
         shared = len(in_layers) != sum(len(unique_tensors(la)) for la in layers)
         self.ahead = self.budget.moves_ahead(shared, moves_ahead_on(device) if ahead is None else ahead)
@@ -180,8 +188,9 @@ class Placement:
 
     # -- the budget --------------------------------------------------------------------------------------------
     def check(self, needs: list) -> None:
-        """Records each layer's :class:`LayerNeed` and checks the largest total against the budget
-        (:meth:`jgptq_torch.pipeline.budget.Budget.assess`); moves ahead without room in the budget turn in line.
+        """Records each layer's need (:class:`LayerWork` or :class:`LayerNeed`) and checks the largest total
+        against the budget (:meth:`jgptq_torch.pipeline.budget.Budget.assess`); moves ahead without room in the
+        budget turn in line; layers over it have their routed experts go in chunks (:attr:`chunks`).
 
         Raises:
           DeviceBudgetError: over the budget (with the mode that would fit, if one does).
@@ -193,6 +202,7 @@ class Placement:
             self._moves, moves = None, self._moves
             moves.close()
         self.memory["need"] = verdict.record()
+        self.chunks, self.memory["expert_chunks"] = verdict.chunks, chunk_summary(verdict.chunks)
         verdict.raise_if_over()
 
     def check_activations(self, measured: int) -> None:

@@ -27,26 +27,32 @@ from jgptq.bucket import Stack, quantize_bucket
 log = logging.getLogger(__name__)
 
 
-def layer_stacks(collector, target, base: str, plan, cfg, stats: dict) -> list:
+def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None) -> list:
     """(Matrix, model parameter name, Stack) for every target matrix of a calibrated layer.
 
     Args:
       collector: the layer's :class:`jgptq_torch.pipeline.capture.Collector` after calibration.
       target: its :class:`jgptq_torch.models.LayerTargets`; base: the layer's qualified name (``model.layers.3``).
       plan: the run's :class:`jgptq.plan.Plan`; cfg: the run's config.
-      stats: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (the importance of GGML encoders).
+      stats: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (the importance of GGML encoders; for
+        experts, the rows of ``span``).
+      span: (lo, hi): experts stacks take experts ``lo <= e < hi`` only (the collector's span: a chunk).
     """
     out = []
     for m in target.matrices():
+        lo, hi = importance.expert_rows(m, span)
+        if hi == lo:
+            continue
         key = collector.tie.get(m.hessian_key) if m.layout is None else m.hessian_key
         got = None if key is None else collector.hessian(key)
         h, tokens = (None, 0) if got is None else got
-        tokens = tokens if isinstance(tokens, list) else [tokens] * m.count
+        tokens = tokens if isinstance(tokens, list) else [tokens] * (hi - lo)
         param = m.param_name(base)
-        weight = to_jax(m.weight(), name=m.name)
+        weight = m.weight()
+        weight = to_jax(weight if (lo, hi) == (0, m.count) else weight[lo:hi], name=m.name)
         imp = None
         if plan.matrices[param].quant.is_ggml:
-            imp = importance.importance_of(cfg, stats.get(param), h, tokens, m.count)
+            imp = importance.importance_of(cfg, stats.get(param), h, tokens, hi - lo)
         hkey = "" if key is None else f"{base}.{key if m.layout is None else m.module_name + '.' + key[1]}"
         out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp)))
     return out
@@ -57,16 +63,22 @@ def solve_layer(stacks: list, plan, threshold: int, *, devices=None) -> list:
     (experts or linear, rows, columns, plan; routed experts below the layer's expert ``threshold`` of tokens fall
     back, other matrices only when never reached: :meth:`jgptq.bucket.MatrixPlan.threshold`); returns
     [(Matrix, parameter name, Stack, :class:`jgptq.bucket.Solved`)] in bucket order."""
-    buckets: dict = {}
-    for m, param, s in stacks:
-        buckets.setdefault((m.layout is not None, m.rows, m.cols, plan.matrices[param]), []).append((m, param, s))
     out = []
-    for key in sorted(buckets, key=lambda k: k[:3] + (k[3].format,)):
-        group = buckets[key]
+    for key, group in buckets(stacks, plan):
         solved = quantize_bucket([s for _, _, s in group], key[3], threshold=key[3].threshold(threshold),
                                  devices=devices)
         out += [(m, param, s, r) for (m, param, s), r in zip(group, solved)]
     return out
+
+
+def buckets(items, plan) -> list:
+    """[(key, members)]: ``items`` (tuples that start with a Matrix and its parameter name) by bucket (experts or
+    linear, rows, columns, plan), in the order :func:`solve_layer` solves them; members in their given order."""
+    out: dict = {}
+    for item in items:
+        m, param = item[:2]
+        out.setdefault((m.layout is not None, m.rows, m.cols, plan.matrices[param]), []).append(item)
+    return [(key, out[key]) for key in sorted(out, key=lambda k: k[:3] + (k[3].format,))]
 
 
 def _warm_on(devices) -> bool:
@@ -79,12 +91,14 @@ def _jax_dtype(dtype):
     return jnp.dtype(str(dtype).replace("torch.", ""))
 
 
-def solve_shapes(target) -> set:
-    """The buckets a layer with targets ``target`` is solved in: (experts?, rows, columns) of its matrices."""
-    return {(m.layout is not None, m.rows, m.cols) for m in target.matrices()}
+def solve_shapes(target, chunk=None) -> set:
+    """The buckets a layer with targets ``target`` is solved in: (experts?, rows, columns) of its matrices, and
+    the routed experts per chunk ``chunk`` of experts buckets when they go in chunks."""
+    return {(m.layout is not None, m.rows, m.cols) + ((chunk,) if chunk and m.layout is not None else ())
+            for m in target.matrices()}
 
 
-def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
+def warm_solves(target, cfg, *, devices=None, chunk=None) -> Optional[threading.Thread]:
     """Starts compiling, on a background thread, the solve programs that :func:`solve_layer` will run for a layer
     with targets ``target``, so that the first layer's compiles overlap its calibration (XLA compiles without
     holding Python's lock). Returns the thread (join it before solving, so that nothing compiles twice), or None
@@ -92,6 +106,7 @@ def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
 
     Which matrices share a Hessian is known only after the calibration forward; a bucket of several linear
     modules is compiled for both cases. A guess that misses costs background compile time, never a result.
+    ``chunk``: the routed experts are solved ``chunk`` at a time (:mod:`jgptq_torch.pipeline.expert_chunks`).
     """
     if cfg.method != "gptq" or cfg.quant.is_ggml or not _warm_on(devices):
         return None
@@ -101,7 +116,8 @@ def warm_solves(target, cfg, *, devices=None) -> Optional[threading.Thread]:
     for m in target.matrices():
         tie = up_tie if m.kind == "expert_gate_up" else "own"
         dtype = _jax_dtype(m.parameter.dtype)
-        buckets.setdefault((m.layout is not None, m.rows, m.cols), []).append((m.count, dtype, tie))
+        count = min(m.count, chunk) if chunk and m.layout is not None else m.count
+        buckets.setdefault((m.layout is not None, m.rows, m.cols), []).append((count, dtype, tie))
     jobs = []
     for (expert, rows, cols), members in buckets.items():
         n, dtype = sum(c for c, _, _ in members), members[0][1]

@@ -8,7 +8,9 @@ this order:
 - ``inputs(run, first, hidden, layer_inputs)``: the first processed layer's inputs are captured; returns the
   inputs to go on with (a resumed run's stored ones);
 - per layer: ``before_layer(run, i)``; inside the step (:class:`LayerStep`) ``before_calibrate``,
-  ``after_calibrate`` and ``before_solve``; ``after_layer(run, i, hidden)`` with the next layer's inputs;
+  ``after_calibrate`` and ``before_solve`` on each of its passes (one, or one per chunk of routed experts when the
+  layer goes in chunks: :mod:`jgptq_torch.pipeline.expert_chunks`; :attr:`LayerStep.first` tells the first);
+  ``after_layer(run, i, hidden)`` with the next layer's inputs;
 - ``finish(run)`` once every layer is done; ``close(run, error)`` always at the end (``error``: the exception the
   run stops with, or None).
 
@@ -34,10 +36,24 @@ class LayerStep:
     hidden: list                   # its inputs, one (B, S, H) tensor per batch
     layer_inputs: list             # every layer's other arguments per batch
     stage: Callable = lambda name: None   # names the stage that starts to the progress bar
+    imatrix: dict = None           # the layer's importance statistic (parameter name -> ImatrixEntry) when a hook
+                                   # collects it elsewhere (None: each pass's collector)
+    # the pass: set by :meth:`begin`
+    span: tuple = None             # its routed experts (lo, hi) when they go in chunks; None: the whole layer
+    target: object = None          # the targets it collects and solves (a LayerTargets)
     keep_outputs: bool = False     # set by a hook that wants the calibration forward's outputs
     outputs: list = None           # they, when kept
     collector: object = None       # the calibration's Collector
-    imatrix_from: object = None    # the Collector the importance statistic comes from (None: ``collector``)
+
+    @property
+    def first(self) -> bool:
+        """Whether this is the layer's first pass (its only one unless its routed experts go in chunks)."""
+        return self.span is None or self.span[0] == 0
+
+    def begin(self, span, target) -> None:
+        """Starts the pass of routed experts ``span`` over ``target``; what the pass before kept is let go."""
+        self.span, self.target = span, target
+        self.keep_outputs, self.outputs, self.collector = False, None, None
 
 
 class Hook:
