@@ -7,6 +7,8 @@
   writes the bytes of the run of whole layers (compressed-tensors and GGUF files, records, importance statistic,
   report), stopped after a layer and resumed too; the plan is recorded and said once; a budget below one expert
   at a time is refused before any work.
+- ``keep_hessians`` in chunks of 3, 3 and 2 experts keeps the Hessians of the run of whole layers: per-expert ones
+  joined over the chunks, the all-experts gate/up one and the linear modules' once.
 """
 
 import copy
@@ -121,6 +123,22 @@ def test_ggml_chunks_write_the_gguf_bytes_of_the_whole_layers(tmp_path, source):
     a = jgptq.export_gguf(ref, full, tmp_path / "whole.gguf")
     b = jgptq.export_gguf(model, result, tmp_path / "chunked.gguf")
     assert Path(a).read_bytes() == Path(b).read_bytes()
+
+
+def test_kept_hessians_in_chunks_are_those_of_the_whole_layer():
+    float_model = build("qwen3_moe", num_hidden_layers=1)
+    opts = dict(resume_tests.OPTS, calibration="all_experts", keep_hessians=True, offload="cpu")
+    full = jgptq.quantize_moe(copy.deepcopy(float_model), resume_tests.CALIB, **opts)
+    result = jgptq.quantize_moe(copy.deepcopy(float_model), resume_tests.CALIB, **opts,
+                                device_budget=chunk_budget(float_model, full, 3))
+    assert [p["experts_per_chunk"] for p in result.report.memory["expert_chunks"]] == [[3, 3, 2]]
+    assert set(result.hessians) == set(full.hessians)
+    ndim = {key[1] if isinstance(key[1], str) else key[1][1]: np.ndim(h) for key, (h, _) in full.hessians.items()}
+    assert ndim.pop("down") == 3 and ndim.pop("gate_up") == 2       # down per expert; gate/up of every token
+    assert ndim and set(ndim.values()) == {2}                        # the linear modules'
+    for key, (h, tokens) in full.hessians.items():
+        got, got_tokens = result.hessians[key]
+        assert got_tokens == tokens and np.array_equal(np.asarray(got), np.asarray(h)), key
 
 
 def test_a_budget_below_one_expert_at_a_time_is_refused_before_any_work():

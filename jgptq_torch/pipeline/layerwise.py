@@ -27,6 +27,9 @@ layer (:func:`_layer_step`):
    the records of ``result.weights`` are made on a worker thread while the next layer runs (``store``);
 4. replay: the layer runs again with quantized weights; its outputs are the next layer's inputs.
 
+A MoE layer over the device budget goes through steps 1 and 2 once per chunk of its routed experts, each chunk's
+experts written back as it is solved (:mod:`jgptq_torch.pipeline.expert_chunks`); the bytes are the whole layer's.
+
 Around the step, hooks (:mod:`jgptq_torch.pipeline.step` names the points where they are called;
 :mod:`jgptq_torch.pipeline.hooks`): the layers' moves (:mod:`jgptq_torch.pipeline.offload`), the state of a
 resumable run, written after every layer when ``checkpoint_dir`` is given (:mod:`jgptq_torch.pipeline.resume`),
