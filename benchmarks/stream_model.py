@@ -15,7 +15,7 @@ Shapes (``--shape``):
   key-value heads of 128, bf16.
 
 ``--experts N`` keeps N routed experts a layer instead of the shape's. A whole DeepSeek-V3 MoE layer is estimated
-at 218 GB on the device, over one H200: with ``--device-budget 120GB`` (or, on a GPU, without a budget: its free
+at 331 GB on the device (128 x 2048 tokens), over one H200: with ``--device-budget 120GB`` (or, on a GPU, without a budget: its free
 memory) its 256 routed experts are calibrated and solved a chunk at a time
 (:mod:`jgptq_torch.pipeline.expert_chunks`); the JSON's ``memory["expert_chunks"]`` gives the plan, and the
 ``calibrate`` stage includes one more forward of the layer per chunk after the first.
@@ -200,7 +200,7 @@ def main(argv=None):
                                                             "the dense ones + 2; --tiny: the tiny shape's)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per MoE layer instead of the shape's (a DeepSeek-V3 layer with all 256 is "
-                        "estimated at 218 GB on the device: under --device-budget, or a GPU's free memory, its experts "
+                        "estimated at over 300 GB on the device: under --device-budget, or a GPU's free memory, its experts "
                         "go in chunks; the JSON's memory record gives the plan)")
     p.add_argument("--shard-gb", type=float, default=4.0, help="GB per checkpoint shard (default: 4)")
     p.add_argument("--sequences", type=int, default=None, help="calibration sequences (default: 64; tiny: 8)")
