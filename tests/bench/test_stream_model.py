@@ -13,7 +13,7 @@ from benchmarks import stream_model
 def test_tiny_fp8_checkpoint_streams_and_reports(tmp_path):
     out = tmp_path / "r.json"
     assert stream_model.main(["--tiny", "--shape", "deepseek_v3", "--out", str(out), "--dir", str(tmp_path / "w"),
-                              "--sequences", "4", "--length", "16", "--device-budget", "500kB"]) == 0
+                              "--sequences", "4", "--length", "16", "--device-budget", "800kB"]) == 0
     r = json.loads(out.read_text())
     assert r["checkpoint"]["files"] > 1
     index = json.loads((tmp_path / "w" / "model" / "model.safetensors.index.json").read_text())["weight_map"]
@@ -26,7 +26,7 @@ def test_tiny_fp8_checkpoint_streams_and_reports(tmp_path):
     assert 0 < r["memory"]["writer_busy_s"] < r["quantize_total_s"]
     (plan,) = r["expert_chunks"]                                  # the MoE layers, 8 experts in chunks
     assert plan["layers"] == [1, 2] and sum(plan["experts_per_chunk"]) == 8 and plan["chunks"] > 1
-    assert r["memory"]["need"]["total"] <= 500_000
+    assert r["memory"]["need"]["total"] <= 800_000
 
 
 def test_extrapolation_adds_unmeasured_layers_at_the_steady_cost():
