@@ -3,8 +3,9 @@
 - :func:`read_imatrix`: the importance vectors ``llama-quantize --imatrix FILE`` would load from a GGUF imatrix file
   (``<tensor>.in_sum2`` / ``<tensor>.counts``; per matrix ``sums / count``, or 1.0 where count is 0, in float32).
 - :func:`quantize`: ``llama_model_quantize`` of a float GGUF at one format with those vectors as
-  ``params.imatrix`` entries, every weight tensor at the format (``pure``), token embedding and output head kept at
-  the given type.
+  ``params.imatrix`` entries, every weight tensor at the format (``pure``) or by the rules of one of llama.cpp's mixes
+  (Q4_K_M, MXFP4_MOE...), token embedding and output head kept at the given type, named tensors at a type of their
+  own (``params.tt_overrides``, what ``llama-quantize --tensor-type`` sets).
 - :func:`tensor_types` / :func:`weight_bits`: what a GGUF holds, read back with ``gguf.GGUFReader``.
 
 Running the files (every position's logits of every window, each from an empty context) is the library's
@@ -29,7 +30,8 @@ FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4
 # llama.cpp's own mixes (``pure`` off: its per-tensor rules, ``llama_tensor_get_type``, pick each tensor's type).
 MIX_FTYPES = {"q2_k_s": "LLAMA_FTYPE_MOSTLY_Q2_K_S", "iq2_m": "LLAMA_FTYPE_MOSTLY_IQ2_M",
               "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-              "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
+              "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+              "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}
 
 
 def read_imatrix(path: str) -> dict:
@@ -61,7 +63,8 @@ def read_imatrix(path: str) -> dict:
     return out
 
 
-def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: str = "F32", threads: int = 2) -> float:
+def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: str = "F32", threads: int = 2,
+             overrides: dict | None = None) -> float:
     """``llama_model_quantize(src -> dst)`` at ``fmt`` for every weight tensor, or with llama.cpp's own per-tensor
     rules when ``fmt`` names one of its mixes; returns the seconds it took.
 
@@ -71,6 +74,8 @@ def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: s
       imatrix: {tensor name: float32 importance (already divided by counts, experts concatenated)} or None.
       keep_type: GGML type name the token embedding and output head are stored in (``"F32"`` keeps the float
         model's; the output head is never quantized).
+      overrides: {regular expression: GGML type name}: the tensors whose name the expression finds get that type
+        instead of the mix's or the format's (``llama-quantize --tensor-type``; the first match wins).
     """
     import gguf
     import llama_cpp
@@ -100,6 +105,16 @@ def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: s
         entries[len(imatrix)].name = None  # the list ends with a null name
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
         keep_alive.append(entries)
+    if overrides:
+        table = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
+        for i, (pattern, type_name) in enumerate(overrides.items()):
+            encoded = pattern.encode()
+            keep_alive.append(encoded)
+            table[i].pattern = encoded
+            table[i].type = int(gguf.GGMLQuantizationType[type_name.upper()])
+        table[len(overrides)].pattern = None  # the table ends with a null pattern
+        params.tt_overrides = ctypes.cast(table, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+        keep_alive.append(table)
     if os.path.exists(dst):
         os.remove(dst)
     t0 = time.perf_counter()

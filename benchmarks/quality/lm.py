@@ -14,6 +14,17 @@ row 2 super-blocks long), and no load-balancing loss, so that the router uses it
 :func:`expert_usage`). The trained model is saved with
 ``save_pretrained`` (safetensors) in ``<cache_dir>/lm-<key>``, the key hashing every hyperparameter and the corpus
 digest, so a rerun with the same settings loads it instead of training.
+
+Two more models have the shapes of other MoE families, trained the same way on the same bytes (``family`` in the
+architecture names the transformers class; without it, Qwen3-MoE):
+
+- ``MODELS["deepseek_v3"]`` (``DeepseekV3ForCausalLM``, llama.cpp's ``deepseek2``): multi-head latent attention
+  (query and key-value low-rank projections of 512, 8 heads with no-rope/rope/value widths 64/32/64), a dense first
+  layer (MLP width 1024), then 2 MoE layers of 8 routed experts of width 512 (sigmoid scores, 4 groups of which 2 are
+  kept, top-2) beside one shared expert; every quantized row 2-4 super-blocks long.
+- ``MODELS["gpt_oss"]`` (``GptOssForCausalLM``): 2 layers (sliding-window attention of 128, then full), 8 query and
+  2 key-value heads of 64 with biases and per-head attention sinks, 16 experts of width 512 with biases, top-2 with
+  a softmax over the chosen router logits, the clamped SwiGLU, the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -36,7 +47,25 @@ TRAIN = dict(steps=200, batch=8, length=256, lr=2e-3, warmup=40, weight_decay=0.
 DEEP_ARCH = dict(ARCH, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  moe_intermediate_size=512, router_aux_loss_coef=0.0)
 DEEP_TRAIN = dict(TRAIN, steps=160, length=128, lr=3e-3, warmup=20)
-MODELS = {"quality": (ARCH, TRAIN), "deep": (DEEP_ARCH, DEEP_TRAIN)}
+DEEPSEEK_ARCH = {"family": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 512, "num_hidden_layers": 3,
+                 "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 512, "kv_lora_rank": 512,
+                 "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "intermediate_size": 1024,
+                 "moe_intermediate_size": 512, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                 "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                 "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+GPT_OSS_ARCH = {"family": "gpt_oss", "vocab_size": VOCAB, "hidden_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+                "num_local_experts": 16, "num_experts_per_tok": 2, "sliding_window": 128,
+                "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+                "router_aux_loss_coef": 0.01}
+SHAPES_TRAIN = {**DEEP_TRAIN, "steps": 120}
+MODELS = {"quality": (ARCH, TRAIN), "deep": (DEEP_ARCH, DEEP_TRAIN), "deepseek_v3": (DEEPSEEK_ARCH, SHAPES_TRAIN),
+          "gpt_oss": (GPT_OSS_ARCH, SHAPES_TRAIN)}
+# transformers' (config, model) classes of each family an architecture may name
+FAMILIES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+            "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 
 def cache_key(arch: dict, train: dict, corpus_digest: str) -> str:
@@ -45,13 +74,26 @@ def cache_key(arch: dict, train: dict, corpus_digest: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build(arch: dict = ARCH, seed: int = 0):
-    """A freshly initialised float32 ``Qwen3MoeForCausalLM`` with ``arch``."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def classes(arch: dict = ARCH):
+    """transformers' (config class, model class) of ``arch`` (its ``family``, Qwen3-MoE when it names none)."""
+    import transformers
 
+    config, model = FAMILIES[arch.get("family", "qwen3_moe")]
+    return getattr(transformers, config), getattr(transformers, model)
+
+
+def build(arch: dict = ARCH, seed: int = 0):
+    """A freshly initialised float32 model of ``arch``'s family with its settings."""
+    import torch
+
+    config, model = classes(arch)
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**arch)).float()
+    return model(config(**{k: v for k, v in arch.items() if k != "family"})).float()
+
+
+def load(folder: str, arch: dict = ARCH):
+    """The model of ``arch``'s family saved in ``folder``, float32, in eval mode."""
+    return classes(arch)[1].from_pretrained(folder, dtype="float32").eval()
 
 
 def mean_loss(model, windows: np.ndarray, batch: int = 16, first: int = 0) -> float:
@@ -143,15 +185,13 @@ def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | No
 
     Returns (model in eval mode, float32; info dict with the cache folder, training figures and held-out loss).
     """
-    from transformers import Qwen3MoeForCausalLM
-
     cfg = dict(train_cfg, **({} if steps is None else {"steps": int(steps)}))
     if cfg["steps"] < 1:
         raise ValueError(f"train steps: {cfg['steps']} must be at least 1")
     folder = os.path.join(cache_dir, f"lm-{cache_key(arch, cfg, corpus_digest)}")
     info_path = os.path.join(folder, "train_info.json")
     if os.path.exists(info_path):
-        model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype="float32").eval()
+        model = load(folder, arch)
         with open(info_path) as f:
             info = json.load(f)
         info["cached"] = True

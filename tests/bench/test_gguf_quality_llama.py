@@ -76,3 +76,27 @@ def test_windows_are_evaluated_from_an_empty_context(tiny):
     alone = llama_logits.logits(src, windows[2:], threads=1)
     np.testing.assert_allclose(alone[0], both[2], rtol=0, atol=1e-4)
     assert np.abs(both[0] - both[1]).max() > 1e-3      # different windows, different logits
+
+
+def test_mix_rules_and_tensor_type_overrides(tiny, tmp_path):
+    """A llama.cpp mix follows its own per-tensor rules (the same as jgptq.mixes gives these weights), a tensor-type
+    override replaces the rule for the tensors it names, and MXFP4_MOE gives every 2-D weight Q8_0."""
+    from jgptq import mixes
+
+    src, _ = tiny
+    dst = str(tmp_path / "q4_k_m.gguf")
+    llama_side.quantize(src, dst, "q4_k_m", None, keep_type="F32", threads=1,
+                        overrides={r"\.attn_k\.weight$": "F32", r"ffn_up": "Q8_0"})
+    types = llama_side.tensor_types(dst)
+    plan = {"attn_q": "q_proj", "attn_v": "v_proj", "attn_output": "o_proj", "ffn_gate": "gate_proj",
+            "ffn_down": "down_proj"}
+    for tensor, proj in plan.items():
+        assert types[f"blk.0.{tensor}.weight"] == mixes.preset_format("q4_k_m", proj, 0, 1, 0, HEADS // KV).upper()
+    assert types["blk.0.attn_v.weight"] == "Q6_K" and types["blk.0.attn_q.weight"] == "Q4_K"
+    assert types["blk.0.attn_k.weight"] == "F32" and types["blk.0.ffn_up.weight"] == "Q8_0"
+    assert types["token_embd.weight"] == types["output.weight"] == "F32"
+    dst = str(tmp_path / "mxfp4_moe.gguf")
+    llama_side.quantize(src, dst, "mxfp4_moe", None, keep_type="F32", threads=1)
+    types = llama_side.tensor_types(dst)
+    assert {types[n] for n in WEIGHTS} == {"Q8_0"}
+    assert types["token_embd.weight"] == types["output.weight"] == "F32"

@@ -44,3 +44,53 @@ def test_imatrix_file_reads_as_llama_quantize_divides_it(tmp_path):
     want[1] = 1.0
     np.testing.assert_array_equal(got["blk.0.ffn_up_exps.weight"], want.reshape(-1))
     np.testing.assert_array_equal(got["blk.0.attn_q.weight"], (dense / np.float32(5)).reshape(-1))
+
+
+def test_arch_option_picks_the_model_formats_and_results_file():
+    from benchmarks import gguf_quality
+
+    plain = gguf_quality._args([])
+    assert plain.model == "quality" and plain.formats == "q4_k,iq4_xs,iq3_xxs,iq2_xxs,iq1_s"
+    assert plain.out.endswith("results/gguf_quality.json")
+    oss = gguf_quality._args(["--arch", "gpt_oss"])
+    assert oss.model == "gpt_oss" and oss.out.endswith("results/gguf_quality_gpt_oss.json")
+    assert "mxfp4_moe" in oss.formats.split(",") and "q4_k_m" in oss.formats.split(",")
+    ds = gguf_quality._args(["--arch", "deepseek_v3", "--small", "--out", "x.json"])
+    assert ds.model == "deepseek_v3" and ds.out == "x.json" and ds.formats == "q4_k_m" and ds.windows == 8
+
+
+def test_family_models_build_load_and_keep_rows_two_blocks_long(tmp_path):
+    torch = pytest.importorskip("torch")
+    from benchmarks.quality import lm
+
+    # the quality model's cache folder is unchanged by the family key (its weights are not retrained)
+    assert lm.cache_key(lm.ARCH, lm.TRAIN, "x") == "962ffeaeab7bee8e"
+    for name, cls in (("deepseek_v3", "DeepseekV3ForCausalLM"), ("gpt_oss", "GptOssForCausalLM")):
+        arch, _ = lm.MODELS[name]
+        model = lm.build(arch)
+        assert type(model).__name__ == cls and not hasattr(model.config, "family")
+        for param, p in model.named_parameters():     # every weight a quantizer sees: rows of >= 2 super-blocks
+            if p.ndim >= 2 and "embed" not in param and "lm_head" not in param and "router" not in param \
+                    and not param.endswith("_bias") \
+                    and not param.endswith("mlp.gate.weight"):
+                # gpt-oss stores its experts (E, in, out), the rest (..., out, in)
+                rows = p.shape[-2] if ".experts." in param and name == "gpt_oss" else p.shape[-1]
+                assert rows % 256 == 0 and rows >= 512, (name, param, tuple(p.shape))
+        small = dict(arch, hidden_size=64, num_hidden_layers=2, q_lora_rank=32, kv_lora_rank=32,
+                     intermediate_size=64, moe_intermediate_size=32) if name == "deepseek_v3" else \
+            dict(arch, hidden_size=64, head_dim=16, intermediate_size=32, num_local_experts=4)
+        model = lm.build(small)
+        model.save_pretrained(tmp_path / name)
+        again = lm.load(str(tmp_path / name), small)
+        assert type(again) is type(model) and not again.training
+        for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+
+
+def test_keep_float_overrides_name_only_float_attn_k_b():
+    from benchmarks.quality.gguf_run import keep_float_overrides
+
+    types = {"blk.1.attn_k_b.weight": "F32", "blk.1.attn_v_b.weight": "Q4_K", "token_embd.weight": "F32"}
+    assert keep_float_overrides(types) == {r"\.attn_k_b\.weight$": "F32"}
+    assert keep_float_overrides(dict(types, **{"blk.1.attn_k_b.weight": "Q5_0"})) == {}
+    assert keep_float_overrides({"blk.0.attn_q.weight": "Q4_K"}) == {}
