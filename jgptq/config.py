@@ -18,6 +18,7 @@ ACT_ORDERS = ("none", "desc", "static", "group_aware")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 METHODS = ("gptq", "rtn")
 MOE_CALIBRATIONS = ("routed", "all_experts")
+ROUTER_WEIGHTINGS = {"none": 0.0, "linear": 1.0, "squared": 2.0}   # name -> power of the routing weight
 HESSIAN_DTYPES = ("float32", "bfloat16")
 IMPORTANCES = ("imatrix", "hessian", "none")
 IMATRIX_SOURCES = ("replay", "float")
@@ -128,11 +129,18 @@ class MoEConfig:
         (N = the layer's calibration tokens) is quantized by round-to-nearest instead of GPTQ, with a warning
         and a line in the report. At least 1: an expert never routed to has no Hessian at all.
       min_token_fraction: see ``min_tokens`` (0 disables the relative threshold).
+      router_weighting: how a routed token's rows count in its expert's Hessians: ``"none"`` (each token once),
+        ``"linear"`` (times the routing weight ``p`` the expert's output is multiplied by) or ``"squared"``
+        (times ``p**2``: the expert's share of the layer output's squared error, ``||p (W - Q) x||^2``). Token
+        counts and the importance statistic are unweighted. Experts whose inputs arrive already multiplied by
+        the routing score (Llama 4's) have an output multiplier of 1, so their Hessians are unchanged. Routed
+        calibration only (an unrouted token's weight is 0).
     """
 
     calibration: str = "routed"
     min_tokens: int = 1
     min_token_fraction: float = 0.0
+    router_weighting: str = "none"
 
     def __post_init__(self):
         if self.calibration not in MOE_CALIBRATIONS:
@@ -141,6 +149,16 @@ class MoEConfig:
             _fail_in("MoEConfig", "min_tokens", self.min_tokens, "must be an integer >= 1")
         if not 0.0 <= float(self.min_token_fraction) < 1.0:
             _fail_in("MoEConfig", "min_token_fraction", self.min_token_fraction, "must lie in [0, 1)")
+        if self.router_weighting not in ROUTER_WEIGHTINGS:
+            _fail_in("MoEConfig", "router_weighting", self.router_weighting, f"must be one of {tuple(ROUTER_WEIGHTINGS)}")
+        if self.router_weighting != "none" and self.calibration == "all_experts":
+            _fail_in("MoEConfig", "router_weighting", self.router_weighting, "weights routed tokens by the routing "
+                     "weight, which is 0 for the tokens all_experts calibration adds; use calibration='routed'")
+
+    @property
+    def router_power(self) -> float:
+        """The power of the routing weight each routed row is weighted by in the Hessians (0: unweighted)."""
+        return ROUTER_WEIGHTINGS[self.router_weighting]
 
     def threshold(self, layer_tokens: int) -> int:
         """Smallest token count for which an expert is solved by GPTQ."""

@@ -5,7 +5,7 @@ A :class:`Statistic` is ``init(columns, entries, device) -> state``, ``update(st
 statistics and applies each to every input it sees; it knows nothing of what they compute.
 
 - :func:`hessian_sum`: GPTQ's float32 sum of X^T X and token count (:mod:`jgptq.hessian`); finalized to
-  ``(2 / N * sum x x^T, token counts)``.
+  ``(2 / N * sum x x^T, token counts)``; optionally each expert's token weighted by a power of its routing weight.
 - :func:`importance`: llama.cpp's importance statistic (:mod:`jgptq.imatrix`): per input column the float32 sum of
   squared inputs, and the token count; finalized to an :class:`jgptq.imatrix.ImatrixEntry`. It sees the tokens a
   weight saw: for experts, the routed ones only.
@@ -52,6 +52,9 @@ class Statistic(NamedTuple):
         ``update`` without checks: :func:`update_group` runs the group updates of a whole chain as one jitted
         program with it (one dispatch per group instead of one per statistic). Must be the same object from
         call to call (it keys the compiled program).
+      router_power: for experts' routed rows, the capture hands this statistic each row times ``p ** (router_power
+        / 2)``, ``p`` the routing weight the expert's output is multiplied by, so that a sum of products x x^T
+        weighs each token by ``p ** router_power`` (0: the rows as they are; rows of linear modules always are).
     """
 
     init: Callable[..., Any]
@@ -59,10 +62,11 @@ class Statistic(NamedTuple):
     finalize: Callable[[Any], Any]
     all_experts: bool = False
     slots: Optional[Callable[..., Any]] = None
+    router_power: float = 0.0
 
 
 # -- GPTQ's Hessian -----------------------------------------------------------------------------------------------
-def hessian_sum(input_dtype: str = "float32", all_experts: bool = False) -> Statistic:
+def hessian_sum(input_dtype: str = "float32", all_experts: bool = False, router_power: float = 0.0) -> Statistic:
     """The Hessian statistic: state :class:`jgptq.hessian.HessianState` (float32 (C, C) or (E, C, C) sums of
     x x^T, int32 token counts).
 
@@ -70,12 +74,17 @@ def hessian_sum(input_dtype: str = "float32", all_experts: bool = False) -> Stat
       input_dtype: ``"float32"`` (float32 products at HIGHEST precision) or ``"bfloat16"`` (bf16 operands, float32
         accumulation).
       all_experts: experts' Hessians see every token (see :class:`Statistic`).
+      router_power: experts' Hessians weigh each routed token by its routing weight to this power (see
+        :class:`Statistic`; 2 is the expert's share of the squared output error). Not with ``all_experts``.
     Returns:
-      A :class:`Statistic` whose ``finalize`` gives ``(2 / N * sum x x^T`` float32 (C, C) or (E, C, C), token
-      counts as an int or a list of E ints).
+      A :class:`Statistic` whose ``finalize`` gives ``(2 / N * sum w x x^T`` float32 (C, C) or (E, C, C), ``w``
+      the token weights (1 unless ``router_power``), token counts as an int or a list of E ints).
     """
     if input_dtype not in hessian.INPUT_DTYPES:
         raise ValueError(f"input_dtype must be one of {hessian.INPUT_DTYPES}, got {input_dtype!r}")
+    if router_power < 0 or (router_power and all_experts):
+        raise ValueError(f"router_power={router_power!r} must be >= 0, and 0 with all_experts (a token not routed "
+                         f"to an expert has routing weight 0 there)")
 
     def init(columns: int, entries=None, device=None):
         return hessian.init(columns, device) if entries is None else hessian.init_stacked(entries, columns, device)
@@ -91,7 +100,7 @@ def hessian_sum(input_dtype: str = "float32", all_experts: bool = False) -> Stat
     def finalize(state):
         return hessian.finalize(state), state.token_count.tolist()
 
-    return Statistic(init, update, finalize, all_experts, _hessian_slots(input_dtype))
+    return Statistic(init, update, finalize, all_experts, _hessian_slots(input_dtype), float(router_power))
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,7 +242,7 @@ def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] 
     return len(todo)
 
 
-def calibration(input_dtype: str = "float32", all_experts: bool = False) -> dict:
+def calibration(input_dtype: str = "float32", all_experts: bool = False, router_power: float = 0.0) -> dict:
     """The statistics of the layerwise pipeline, in the order the capture applies them: ``{"hessian":``
-    :func:`hessian_sum` ``(input_dtype, all_experts), "imatrix":`` :func:`importance` ``()}``."""
-    return {HESSIAN: hessian_sum(input_dtype, all_experts), IMATRIX: importance()}
+    :func:`hessian_sum` ``(input_dtype, all_experts, router_power), "imatrix":`` :func:`importance` ``()}``."""
+    return {HESSIAN: hessian_sum(input_dtype, all_experts, router_power), IMATRIX: importance()}

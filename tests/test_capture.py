@@ -59,19 +59,21 @@ def test_routers_and_shared_expert_gates_are_not_targets():
     assert "mlp.router" not in t.linears and list(t.experts) == ["mlp.experts"]
 
 
-def reference_layer0(model, ids, mask):
-    """Float64 Hessians of layer 0's experts, from hooks on an eager run (independent of the capture path)."""
+def reference_layer0(model, ids, mask, power=0):
+    """Float64 Hessians of layer 0's experts, from hooks on an eager run (independent of the capture path); with
+    ``power``, each routed token's products weighted by its routing weight to that power."""
     mlp = model.model.layers[0].mlp
     seen = {}
     h1 = mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().clone()))
-    h2 = mlp.gate.register_forward_hook(lambda m, a, o: seen.__setitem__("idx", o[2].detach().clone()))
+    h2 = mlp.gate.register_forward_hook(lambda m, a, o: seen.update(idx=o[2].detach().clone(),
+                                                                    p=o[1].detach().double().clone()))
     model.set_experts_implementation("eager")
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     h1.remove()
     h2.remove()
     x = seen["x"].reshape(-1, seen["x"].shape[-1]).double().numpy()
-    idx = seen["idx"].numpy()
+    idx, p = seen["idx"].numpy(), seen["p"].numpy()
     keep = mask.reshape(-1).bool().numpy()
     gate_up = mlp.experts.gate_up_proj.detach().double().numpy()
     inter = mlp.experts.down_proj.shape[-1]
@@ -79,9 +81,11 @@ def reference_layer0(model, ids, mask):
     for e in range(gate_up.shape[0]):
         rows = keep & (idx == e).any(-1)
         xe = x[rows]
+        w = (p * (idx == e)).sum(-1)[rows] ** power           # the routing weight of expert e on each token
         g, u = xe @ gate_up[e, :inter].T, xe @ gate_up[e, inter:].T
         act = g / (1 + np.exp(-g)) * u
-        out.append((int(rows.sum()), 2 * xe.T @ xe / max(len(xe), 1), 2 * act.T @ act / max(len(xe), 1)))
+        out.append((int(rows.sum()), 2 * (w[:, None] * xe).T @ xe / max(len(xe), 1),
+                    2 * (w[:, None] * act).T @ act / max(len(xe), 1)))
     return out
 
 
@@ -125,6 +129,36 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
         h1, n1 = one.hessians[key]
         assert n == n1, key
         np.testing.assert_allclose(np.asarray(h), np.asarray(h1), rtol=1e-4, atol=1e-6, err_msg=str(key))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+@pytest.mark.parametrize("weighting, power", [("linear", 1), ("squared", 2)])
+def test_router_weighted_expert_hessians_equal_a_float64_reference(weighting, power, grouped, monkeypatch):
+    import jgptq
+
+    monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: grouped)
+    monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)    # several groups, experts in passes of 64
+    monkeypatch.setattr(capture, "_MAX_ROWS", 64)
+    ids = token_ids(4, 96, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    ref = reference_layer0(build("qwen3_moe"), ids, mask, power)
+    calib = {"input_ids": ids, "attention_mask": mask}
+    opts = {"method": "rtn", "bits": 4, "group_size": 16, "keep_hessians": True, "progress": False, "batch_size": 4}
+    res = jgptq.quantize_moe(build("qwen3_moe"), calib, router_weighting=weighting, **opts)
+    plain = jgptq.quantize_moe(build("qwen3_moe"), calib, **opts)
+    (h_up, n_up), (h_down, n_down) = (res.hessians[(0, ("mlp.experts", k))] for k in ("gate_up", "down"))
+    assert n_up == n_down == [r[0] for r in ref]                       # token counts stay unweighted
+    for e, (n, hu, hd) in enumerate(ref):
+        np.testing.assert_allclose(np.asarray(h_up[e]), hu, rtol=1e-5, atol=1e-6 * np.abs(hu).max())
+        np.testing.assert_allclose(np.asarray(h_down[e]), hd, rtol=1e-4, atol=1e-5 * np.abs(hd).max())
+    assert not np.allclose(np.asarray(h_up), np.asarray(plain.hessians[(0, ("mlp.experts", "gate_up"))][0]))
+    for key, (h, n) in plain.hessians.items():                         # linear modules: unweighted
+        if not isinstance(key[1], tuple):
+            assert n == res.hessians[key][1] and np.array_equal(np.asarray(h), np.asarray(res.hessians[key][0]))
+    for name, entry in plain.imatrix.items():                          # the importance statistic: unweighted
+        np.testing.assert_allclose(res.imatrix[name].sums, entry.sums, rtol=1e-6, atol=0, err_msg=name)
+        np.testing.assert_array_equal(res.imatrix[name].counts, entry.counts)
 
 
 @pytest.mark.parametrize("accelerator", [False, True])

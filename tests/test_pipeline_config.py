@@ -23,6 +23,8 @@ def test_build_routes_keywords_to_the_right_config():
     (dict(min_token_fraction=1.5), "MoEConfig.min_token_fraction"), (dict(method="awq"), "PipelineConfig.method"),
     (dict(hessian_dtype="float16"), "PipelineConfig.hessian_dtype"), (dict(batch_size=0), "PipelineConfig.batch_size"),
     (dict(exclude=["("]), "not a regular expression"), (dict(bits=1), "QuantConfig.bits"),
+    ({"router_weighting": "cubic"}, "MoEConfig.router_weighting"),
+    ({"router_weighting": "squared", "calibration": "all_experts"}, "MoEConfig.router_weighting='squared'.*routed"),
 ])
 def test_invalid_options_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

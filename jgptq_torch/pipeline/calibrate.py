@@ -19,9 +19,11 @@ from jgptq_torch.progress import stage_bar
 
 def statistics_of(cfg) -> dict:
     """The statistics a layer's solve needs under ``cfg`` (a :class:`jgptq.config.PipelineConfig`): the Hessian
-    sum in ``cfg.hessian_dtype`` (of every token at every expert with ``moe.calibration="all_experts"``) and the
-    importance statistic (:func:`jgptq.statistics.calibration`)."""
-    return statistics.calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts")
+    sum in ``cfg.hessian_dtype`` (of every token at every expert with ``moe.calibration="all_experts"``; experts'
+    tokens weighted by their routing weight with ``moe.router_weighting``) and the importance statistic
+    (:func:`jgptq.statistics.calibration`)."""
+    return statistics.calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
+                                  router_power=cfg.moe.router_power)
 
 
 def calibrate(layer, i: int, target, stats: dict, hidden: list, layer_inputs: list, batch_list: list, *,

@@ -246,10 +246,13 @@ class Collector:
             self._add((name, part), rows[tok], routed_keep, index=e - lo, size=hi - lo, name=f"{name} {part}",
                       chain=self._chain(all_experts=False))
 
-    def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list):
+    def routed_inputs(self, module, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor, counts: list,
+                      weights: torch.Tensor = None):
         """Called once per forward by :func:`experts_forward` in routed mode with every expert's rows at once:
-        gate/up inputs x (R, H) and down inputs h (R, I) sorted by expert (``counts[e]`` rows each), and their
-        token ids ``tok`` (R,). Experts are accumulated in groups (a few calls per forward, not one per expert)."""
+        gate/up inputs x (R, H) and down inputs h (R, I) sorted by expert (``counts[e]`` rows each), their
+        token ids ``tok`` (R,) and routing weights ``weights`` (R,), what each row's expert output is multiplied
+        by (None: 1, experts whose inputs are already scaled). Experts are accumulated in groups (a few calls per
+        forward, not one per expert)."""
         name = self._module_names.get(id(module))
         if name is None:
             return
@@ -264,16 +267,18 @@ class Collector:
             self.routed[name][e] += n
         for part, rows in (("gate_up", x), ("down", h)):
             self._add_grouped((name, part), rows, counts, keep, n_exp,
-                              f"{name} {'gate/up' if part == 'gate_up' else part}")
+                              f"{name} {'gate/up' if part == 'gate_up' else part}", weights)
 
-    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str):
+    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str, weights=None):
         """Experts with about as many rows are padded to the same rows per slot and added together, one group of
         slots per call (:func:`_group_layout`); an expert with more than ``_MAX_ROWS`` rows is added in passes.
 
         ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
         computed positions (padding positions read any row and are masked out), so that packing needs no
         device synchronization beyond one small copy of the group layout per call. With a span, only the kept
-        experts are grouped (entries ``e - lo``)."""
+        experts are grouped (entries ``e - lo``). Statistics with a ``router_power`` get the block times
+        ``weights ** (router_power / 2)`` (computed in float32, handed on in the rows' dtype), one update per
+        distinct power."""
         c, dev = rows.shape[-1], rows.device
         lo, hi = self._kept(n_exp)
         starts = [0] * n_exp
@@ -289,6 +294,10 @@ class Collector:
         layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
         chain = self._chain()
         states = [self.states_of[s].get(key) for s, _ in chain]
+        powers: dict = {}                       # router power -> positions in the chain
+        for j, (_, statistic) in enumerate(chain):
+            powers.setdefault(statistic.router_power if weights is not None else 0.0, []).append(j)
+        scales = {pw: weights.float().pow(pw / 2) for pw in powers if pw}
         at, shapes = 0, [(len(slots), p) for p, slots in groups]
         for p, slots in groups:
             g = len(slots)
@@ -301,14 +310,20 @@ class Collector:
                 idx = torch.where(valid, first + offset + span, 0)
                 padded = rows[idx]
                 mask = valid if keep is None else valid & keep[idx]
-                xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
-                for j, (_, statistic) in enumerate(chain):
-                    if states[j] is None:
-                        states[j] = statistic.init(c, hi - lo, next(iter(xj.devices())))
-                if shapes:   # this call's new group shapes compiled side by side, once
-                    stats.compile_groups([s for _, s in chain], states, shapes, xj, mj)
-                    shapes = None
-                states = stats.update_group([s for _, s in chain], states, index, xj, mj, name=name)
+                mj = to_jax(mask, name=name + " mask")
+                for pw, members in powers.items():
+                    block = (padded.float() * scales[pw][idx, None]).to(rows.dtype) if pw else padded
+                    xj = to_jax(block, name=name)
+                    for j in members:
+                        if states[j] is None:
+                            states[j] = chain[j][1].init(c, hi - lo, next(iter(xj.devices())))
+                    members_chain = [chain[j][1] for j in members]
+                    if shapes:   # this call's new group shapes compiled side by side, once per power
+                        stats.compile_groups(members_chain, [states[j] for j in members], shapes, xj, mj)
+                    got = stats.update_group(members_chain, [states[j] for j in members], index, xj, mj, name=name)
+                    for j, state in zip(members, got):
+                        states[j] = state
+                shapes = None
         for (s, _), state in zip(chain, states):
             self.states_of[s][key] = state
 

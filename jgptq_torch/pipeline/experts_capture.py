@@ -147,7 +147,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         out.index_add_(0, tok, (o * top_k_weights[tok, slot, None]).float())
     if routed and down_inputs:
         tok = order // k
-        collector.routed_inputs(self, hidden_states[tok], torch.cat(down_inputs), tok, counts)
+        collector.routed_inputs(self, hidden_states[tok], torch.cat(down_inputs), tok, counts,
+                                top_k_weights.reshape(-1)[order])
     return out.to(hidden_states.dtype)
 
 
@@ -160,7 +161,7 @@ def _grouped_forward(module, lay, collector, hidden_states, top_k_weights, order
     x = hidden_states[tok]
     h, o = _grouped_experts(module, lay, x, count_t)
     if collector is not None and routed:
-        collector.routed_inputs(module, x, h, tok, counts)
+        collector.routed_inputs(module, x, h, tok, counts, top_k_weights.reshape(-1)[sel])
     product = o * top_k_weights[tok, slot, None]
     # each (token, slot) pair's row of ``product``: a gather through the inverse of ``order`` (a scatter into a
     # zeroed buffer wrote every row twice)
