@@ -68,6 +68,24 @@ def lc_recipe(method: str, bits: int, group_size: int):
     raise ValueError(f"unknown llm-compressor method {method!r}; choose one of {LC_METHODS}")
 
 
+NO_PINNING = ("IntermediatesCache.pin_memory made a no-op: AWQModifier pins its cached activations (on the CPU, "
+              "the offload device it picks for MoE models) for faster host-to-accelerator copies, and torch cannot "
+              "pin memory without an accelerator (RuntimeError); on a CPU-only machine nothing is copied to an "
+              "accelerator, so skipping the pinning changes no value")
+
+
+def cpu_only_patches(method: str) -> list:
+    """What is patched in llm-compressor for ``method`` on a machine without CUDA (each said in the results)."""
+    import torch
+
+    if method != "awq" or torch.cuda.is_available():
+        return []
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    return [NO_PINNING]
+
+
 def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
     import llmcompressor
     import torch
@@ -78,6 +96,7 @@ def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
     from jgptq_torch.cli.demo import byte_tokenizer
 
     recipe = lc_recipe(method, bits, group_size)
+    patches = cpu_only_patches(method)
     t0 = time.perf_counter()
     if importlib.util.find_spec("torchvision") is not None:
         with load_quantizable_moe():
@@ -102,18 +121,23 @@ def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
             "modules_quantized": quantized, "version": llmcompressor.__version__,
             "recipe": repr(recipe)[:2000],
             "settings": {"scheme": f"W{bits}A16", "symmetric": True, "group_size": 128, "batch_size": 1,
-                         "moe_calibrate_all_experts": True, "ignore": IGNORE, "moe_loading": moe_loading}}
+                         "moe_calibrate_all_experts": True, "ignore": IGNORE, "moe_loading": moe_loading,
+                         "patches": patches}}
 
 
 def method_spec(spec: str) -> tuple:
     """``"gptq+calibration=all_experts+act_order=static"`` -> ``("gptq", {"calibration": "all_experts",
-    "act_order": "static"})``: a jgptq method and overrides of its config fields (numbers parsed as such)."""
+    "act_order": "static"})``: a jgptq method and overrides of its config fields (numbers parsed as such, ``true``
+    and ``false`` as booleans)."""
     method, *rest = spec.split("+")
     overrides = {}
     for item in rest:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise ValueError(f"{spec!r}: {item!r} is not key=value")
+        if value.lower() in ("true", "false"):
+            overrides[key] = value.lower() == "true"
+            continue
         for kind in (int, float):
             try:
                 value = kind(value)
@@ -144,7 +168,8 @@ def run_jgptq(spec, bits, group_size, model_dir, calib, out) -> dict:
     result = jgptq.quantize_moe(model, calib, None, device="cpu", **opts)
     seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    export_model(model, result, "compressed-tensors", out, tokenizer=byte_tokenizer())
+    # a rerun (--redo, or a row whose result was lost) replaces the folder of an earlier one
+    export_model(model, result, "compressed-tensors", out, tokenizer=byte_tokenizer(), overwrite=True)
     q = result.config.quant
     return {"quantize_s": seconds, "load_s": load_s, "save_s": time.perf_counter() - t0,
             "modules_quantized": len(result.weights), "version": jgptq.__version__,

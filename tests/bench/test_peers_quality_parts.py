@@ -16,6 +16,7 @@ def test_method_spec_splits_the_method_from_typed_overrides_and_refuses_malforme
     assert method_spec("gptq") == ("gptq", {})
     assert method_spec("gptq+calibration=all_experts+act_order=static+damp=0.1+batch_size=4") == (
         "gptq", {"calibration": "all_experts", "act_order": "static", "damp": 0.1, "batch_size": 4})
+    assert method_spec("gptq+static_groups=true+sym=False") == ("gptq", {"static_groups": True, "sym": False})
     for bad in ("gptq+damp", "+damp=1", "gptq+=1"):
         with pytest.raises(ValueError):
             method_spec(bad)
