@@ -117,7 +117,7 @@ def main(argv=None):
     model = build_model(s, layers, device)
     originals = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
-    quant = QuantConfig(bits=4, group_size=s["group"], block_size=s["group"], sym=True)
+    quant = QuantConfig(bits=4, group_size=s["group"], block_size=s["group"], sym=True, act_order="none")
 
     def quantize():  # (seconds, result) of one quantize_moe of the model as it stands
         sync()

@@ -19,14 +19,20 @@ best jgptq row of its width (negative: the row is closer to the float model than
 
 Rows, at each of ``--bits`` (default int4 and int3, symmetric, groups of 128, scales float32 on both sides):
 
-- ``jgptq:rtn|gptq|gptq_search``: jgptq's own defaults (each expert calibrated on its routed tokens, natural
-  column order, damping 0.01, batch 16); ``jgptq:gptq+calibration=all_experts+act_order=static`` is GPTQ set up as
-  llm-compressor runs it (every expert sees every token, static activation order).
+- ``jgptq:rtn|gptq|gptq_search``: jgptq's own defaults (each expert calibrated on its routed tokens, static
+  activation order on integer grids, damping 0.01, batch 16); ``+field=value`` overrides a config field:
+  ``act_order=none`` (the natural order, jgptq's earlier default), ``act_order=group_aware``,
+  ``static_groups=true`` (grids from the original weight in natural order), ``mse=2.4`` (clip search),
+  ``router_weighting=linear|squared`` (each routed token weighted in its expert's Hessians by its routing weight or
+  its square), ``calibration=all_experts`` (every expert sees every token;
+  ``gptq+calibration=all_experts+act_order=static`` is GPTQ set up as llm-compressor runs it).
 - ``llmcompressor:gptq|awq|autoround``: llm-compressor's ``oneshot`` with its defaults (batch 1, every expert
   calibrated on every token), scheme ``W4A16`` / ``W3A16`` (its int presets: symmetric, groups of 128, min-max
   weight observer), ``ignore=["lm_head", "re:.*mlp.gate$"]``; GPTQModifier (static activation order, damping
   0.01), AWQModifier (its Qwen3-MoE mappings, duo scaling) before a QuantizationModifier, AutoRoundModifier (200
-  iterations a layer, batch 8). The experts are made ``nn.Linear`` modules by ``linearize_moe``.
+  iterations a layer, batch 8). The experts are made ``nn.Linear`` modules by ``linearize_moe``. Without CUDA the
+  AWQ row runs with the pinning of llm-compressor's activation cache disabled (torch cannot pin memory without an
+  accelerator; the row's ``settings.patches`` says so).
 
 A row whose quantization or loading fails keeps its error text in the JSON. The results go to
 ``benchmarks/results/peers_quality.json`` and a KL-against-seconds chart beside it (``peers_quality.svg``).
@@ -60,7 +66,10 @@ import numpy as np
 from benchmarks import common
 
 DOC = __doc__.splitlines()[0]
-JGPTQ_ROWS = "rtn,gptq,gptq_search,gptq+calibration=all_experts+act_order=static"
+JGPTQ_ROWS = ("rtn,gptq,gptq+act_order=none,gptq+act_order=group_aware,gptq+static_groups=true+act_order=none,"
+              "gptq+mse=2.4,gptq+router_weighting=linear,gptq+router_weighting=squared,"
+              "gptq+router_weighting=squared+act_order=none,gptq+calibration=all_experts+act_order=none,"
+              "gptq+calibration=all_experts+act_order=static,gptq_search,gptq_search+act_order=none")
 PEER_ROWS = "gptq,awq,autoround"
 
 
@@ -90,6 +99,17 @@ def paired(kl_a, kl_b) -> dict:
     d = np.asarray(kl_a, np.float64) - np.asarray(kl_b, np.float64)
     return {"mean": float(d.mean()), "stderr": float(d.std(ddof=1) / np.sqrt(d.size)),
             "share_b_lower": float(np.mean(d > 0))}
+
+
+_SHORT = (("act_order=", ""), ("router_weighting=", "rw:"), ("calibration=all_experts", "all"),
+          ("static_groups=true", "sg"), ("group_aware", "gar"))
+
+
+def short_label(spec: str) -> str:
+    """A row's label in the chart: ``gptq+router_weighting=squared+act_order=none`` -> ``gptq+rw:squared+none``."""
+    for long, short in _SHORT:
+        spec = spec.replace(long, short)
+    return spec
 
 
 def best_row(rows: dict, side: str = "jgptq"):
@@ -215,8 +235,7 @@ def main(argv=None):
             if "kl_mean" in r:
                 label = "llm-compressor" if r["side"] == "llmcompressor" else "jgptq"
                 series.setdefault(f"{label} {width}", []).append(
-                    (r["quantize_s"], r["kl_mean"], r["kl_stderr"], r["method"].split("+")[0] +
-                     ("*" if "+" in r["method"] else "")))
+                    (r["quantize_s"], r["kl_mean"], r["kl_stderr"], short_label(r["method"])))
     if series:
         chart = os.path.splitext(args.out)[0] + ".svg"
         with open(chart, "w") as f:

@@ -78,7 +78,7 @@ def jgptq_row(buckets, static):
     from jgptq import QuantConfig, gptq
 
     cfg = QuantConfig(bits=BITS, group_size=GROUP, block_size=128, sym=SYM, damp=DAMP, static_groups=static,
-                      scale_dtype="float32")
+                      scale_dtype="float32", act_order="none")   # natural order, as the peers' rows
     if "dense" in buckets:
         w, h = buckets["dense"]
         jobs = [(("dense",), to_jax(w[0].contiguous()), to_jax(h[0].contiguous()), False)]

@@ -15,6 +15,7 @@ from jgptq.run_fields import (OFFLOADS, RUN_FIELDS, check_run_fields, fail_in as
 
 # The values a field may take (the command line offers the same choices).
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
+AUTO_ORDER = "auto"   # QuantConfig's default act_order: "static" on integer grids, "none" for GGML formats
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 METHODS = ("gptq", "rtn")
 MOE_CALIBRATIONS = ("routed", "all_experts")
@@ -42,6 +43,9 @@ class QuantConfig:
         groups formed in that order: non-monotonic g_idx), ``"static"`` (descending order, groups fixed on the
         original order with grids precomputed from the original weight, as llm-compressor), ``"group_aware"``
         (GAR: columns sorted inside each group, groups ordered by their largest diagonal; g_idx stays monotonic).
+        The default ``"auto"`` is ``"static"`` for integer grids and ``"none"`` for GGML formats (which encode
+        blocks of consecutive columns), resolved at construction: the field holds the order the solve uses, and
+        :meth:`replace` resolves it again for a changed format unless an order is given.
       static_groups: fit every group's grid once from the original weight instead of lazily from the
         error-updated weight when the solve reaches the group.
       block_size: columns per lazy block update (rounded up to a multiple of the group size).
@@ -60,7 +64,7 @@ class QuantConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = True
-    act_order: str = "none"
+    act_order: str = AUTO_ORDER
     static_groups: bool = False
     block_size: int = 128
     damp: float = 0.01
@@ -74,6 +78,9 @@ class QuantConfig:
         if not isinstance(self.format, str) or not self.format:
             _fail("format", self.format, "must be 'int' or a GGML format name")
         object.__setattr__(self, "format", self.format.lower())
+        if self.act_order == AUTO_ORDER:
+            object.__setattr__(self, "act_order", "static" if self.format == "int" else "none")
+            object.__setattr__(self, "_auto_order", True)   # not a field: equal and hashed as the resolved order
         if self.format != "int":
             from jgptq.ggml.registry import get_format
 
@@ -113,7 +120,10 @@ class QuantConfig:
         return self.format != "int"
 
     def replace(self, **changes) -> "QuantConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); an ``act_order`` left at its default is resolved
+        again for the copy's format."""
+        if self.__dict__.get("_auto_order") and "act_order" not in changes:
+            changes["act_order"] = AUTO_ORDER
         return dataclasses.replace(self, **changes)
 
 
@@ -150,7 +160,8 @@ class MoEConfig:
         if not 0.0 <= float(self.min_token_fraction) < 1.0:
             _fail_in("MoEConfig", "min_token_fraction", self.min_token_fraction, "must lie in [0, 1)")
         if self.router_weighting not in ROUTER_WEIGHTINGS:
-            _fail_in("MoEConfig", "router_weighting", self.router_weighting, f"must be one of {tuple(ROUTER_WEIGHTINGS)}")
+            _fail_in("MoEConfig", "router_weighting", self.router_weighting,
+                     f"must be one of {tuple(ROUTER_WEIGHTINGS)}")
         if self.router_weighting != "none" and self.calibration == "all_experts":
             _fail_in("MoEConfig", "router_weighting", self.router_weighting, "weights routed tokens by the routing "
                      "weight, which is 0 for the tokens all_experts calibration adds; use calibration='routed'")
@@ -352,7 +363,7 @@ class PipelineConfig:
             else:
                 raise TypeError(f"unknown option {key!r}: not a field of PipelineConfig, QuantConfig or MoEConfig")
         if quant:
-            mine["quant"] = dataclasses.replace(mine.get("quant", config.quant), **quant)
+            mine["quant"] = mine.get("quant", config.quant).replace(**quant)
         if moe:
             mine["moe"] = dataclasses.replace(mine.get("moe", config.moe), **moe)
         return dataclasses.replace(config, **mine) if mine else config

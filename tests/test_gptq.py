@@ -83,7 +83,7 @@ def test_block_size_does_not_change_the_result(rng):
 
 def test_group_update_with_group_size_one_equals_column_update(rng):
     w, h, _ = problem(rng, rows=32, cols=64)
-    cfg = QuantConfig(group_size=-1, sym=False, block_size=16)
+    cfg = QuantConfig(group_size=-1, sym=False, block_size=16, act_order="none")   # codecs take consecutive columns
     col = gptq.solve(w, h, cfg)
     grid = uniform.fit(jnp.asarray(w), cfg)  # per-channel grid: the same for every column
 
@@ -100,7 +100,7 @@ def test_group_update_with_group_size_one_equals_column_update(rng):
 def test_group_update_matches_a_dense_float64_reference(rng):
     """Group update with 4-column joint codes against a direct float64 implementation of E = (W_g - Q_g) U_gg^-1."""
     w, h, _ = problem(rng, rows=8, cols=32)
-    cfg = QuantConfig(group_size=-1, block_size=8)
+    cfg = QuantConfig(group_size=-1, block_size=8, act_order="none")   # codecs take consecutive columns
     step = 0.25
 
     def encode(wg, importance):  # a joint "codec": a shared per-row offset, then a fixed grid
@@ -122,7 +122,8 @@ def test_group_update_matches_a_dense_float64_reference(rng):
     np.testing.assert_allclose(np.asarray(res.weight), q, atol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [QuantConfig(), QuantConfig(act_order="desc"), QuantConfig(act_order="group_aware"),
+@pytest.mark.parametrize("cfg", [QuantConfig(), QuantConfig(act_order="none"), QuantConfig(act_order="desc"),
+                                 QuantConfig(act_order="group_aware"),
                                  QuantConfig(bits=3, group_size=-1, sym=False), QuantConfig(bits=2, mse=2.4)])
 def test_gptq_beats_round_to_nearest_on_output_error(rng, cfg):
     w, h, x = problem(rng, rows=64, cols=256, tokens=1024)

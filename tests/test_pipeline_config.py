@@ -42,3 +42,19 @@ def test_full_coverage_table_marks_experts_below_the_threshold():
     text = rep.coverage_table(full=True)
     assert "1:      0*" in text and "3:      3*" in text and "2:     12 " in text
     assert "below 4: [1, 3]" in rep.coverage_table()
+
+
+def test_default_act_order_is_static_on_integer_grids_and_none_for_ggml_formats():
+    q = QuantConfig()
+    static = QuantConfig(act_order="static")
+    assert q.act_order == "static" and q == static and hash(q) == hash(static)
+    assert QuantConfig(format="q4_k").act_order == "none"
+    assert q.replace(format="q4_k").act_order == "none" and q.replace(bits=3).act_order == "static"
+    assert q.replace(format="q4_k").replace(format="int").act_order == "static"
+    assert PipelineConfig.build(format="q4_k").quant.act_order == "none"
+    assert PipelineConfig(mix="q4_k_m").quant.act_order == "none"
+    assert PipelineConfig.build(act_order="none").quant.act_order == "none"
+    assert QuantConfig(act_order="none").replace(bits=3).act_order == "none"   # a chosen order stays
+    with pytest.raises(ValueError, match="QuantConfig.act_order='static'"):
+        QuantConfig(act_order="static").replace(format="q4_k")
+    assert PipelineConfig().to_dict()["quant"]["act_order"] == "static"       # what the resume fingerprint sees

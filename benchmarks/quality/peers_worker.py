@@ -11,15 +11,16 @@ timed too).
 
 - ``jgptq``: ``jgptq.quantize_moe`` with the method of ``--method`` (``rtn``, ``gptq``, ``gptq_search``, ...,
   optionally followed by config overrides, ``gptq+calibration=all_experts+act_order=static``), symmetric grids of
-  ``bits`` bits in groups of ``group_size``, scales stored in float32 (the model's dtype), by default each expert
-  calibrated on its routed tokens, natural column order, damping 0.01; written by ``jgptq_torch.export.checkpoint.export_model(..., "compressed-tensors")``.
+  ``bits`` bits in groups of ``group_size``, scales stored in float32 (the model's dtype), otherwise jgptq's
+  defaults (each expert calibrated on its routed tokens, static column order, damping 0.01); written by
+  ``jgptq_torch.export.checkpoint.export_model(..., "compressed-tensors")``.
 - ``llmcompressor``: the model loaded under ``load_quantizable_moe`` (llm-compressor's documented way in for fused
   MoE experts: each expert becomes ``nn.Linear`` modules), then ``oneshot`` with its defaults (batch 1, every
   expert calibrated on every token, ``moe_calibrate_all_experts=True``) and the recipe of ``method``: ``gptq``
   (GPTQModifier), ``awq`` (AWQModifier then QuantizationModifier, the non-deprecated form) or ``autoround``
   (AutoRoundModifier), each with the preset scheme ``W{bits}A16`` (int, symmetric, groups of 128, weight
   observer min-max) and ``ignore=["lm_head", "re:.*mlp.gate$"]`` (the routers); saved with
-  ``save_pretrained(save_compressed=True)``.
+  ``save_pretrained(save_compressed=True)``. Without CUDA, AWQ runs with :data:`NO_PINNING`.
 """
 
 from __future__ import annotations

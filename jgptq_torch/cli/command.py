@@ -102,6 +102,7 @@ def build_config(args, dtype: str) -> PipelineConfig:
     return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
                                 max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
                                 method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
+                                router_weighting=args.router_weighting,
                                 offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
                                 mix=mix, formats=tuple(rules), importance=args.importance,
                                 imatrix_source=args.imatrix_source, block_fallback=args.block_fallback, **target)

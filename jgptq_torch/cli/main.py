@@ -19,8 +19,8 @@ import os
 import sys
 import textwrap
 
-from jgptq.config import (ACT_ORDERS, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES, METHODS, MOE_CALIBRATIONS,
-                          OFFLOADS, MoEConfig, PipelineConfig, QuantConfig)
+from jgptq.config import (ACT_ORDERS, AUTO_ORDER, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES, METHODS,
+                          MOE_CALIBRATIONS, OFFLOADS, ROUTER_WEIGHTINGS, MoEConfig, PipelineConfig, QuantConfig)
 from jgptq.mixes import PRESETS
 from jgptq.version import __version__
 
@@ -98,9 +98,11 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
     sym.add_argument("--asym", dest="sym", action="store_false",
                      help="asymmetric grids, a zero point per group" + ("" if symmetric else " (default)"))
     act_order, damp = default(QuantConfig, "act_order"), default(QuantConfig, "damp")
-    g.add_argument("--act-order", nargs="?", const="group_aware", default=act_order, choices=ACT_ORDERS,
+    g.add_argument("--act-order", nargs="?", const="group_aware", default=act_order,
+                   choices=(AUTO_ORDER,) + ACT_ORDERS,
                    help="column order of the solve; the bare flag means group_aware, which every exporter "
-                        f"holds ('desc' with groups: gptq only) (default: {act_order})")
+                        f"holds ('desc' with groups: gptq only) (default: {act_order}: static on integer grids, "
+                        f"none for GGML formats)")
     g.add_argument("--damp", type=float, default=damp, help=f"relative Hessian damping (default: {damp})")
     method = default(PipelineConfig, "method")
     g.add_argument("--method", choices=METHODS, default=method,
@@ -174,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"experts' Hessians from their routed tokens, or from every token (default: {calibration})")
     c.add_argument("--min-tokens", type=int, default=min_tokens, help="experts with fewer calibration tokens are "
                    f"rounded to nearest, with a warning (default: {min_tokens})")
+    weighting = default(MoEConfig, "router_weighting")
+    c.add_argument("--router-weighting", choices=tuple(ROUTER_WEIGHTINGS), default=weighting,
+                   help="weight each routed token in its expert's Hessians by the routing weight ('linear') or its "
+                        f"square ('squared'); routed calibration only (default: {weighting})")
     c.add_argument("--samples", type=int, default=128, help="calibration sequences (default: 128)")
     c.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
     batch_size = default(PipelineConfig, "batch_size")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peers_quality import best_row, grid_check, paired
+from benchmarks.peers_quality import best_row, grid_check, paired, short_label
 from benchmarks.quality.peers_chart import kl_seconds_chart
 from benchmarks.quality.peers_worker import method_spec
 
@@ -20,6 +20,12 @@ def test_method_spec_splits_the_method_from_typed_overrides_and_refuses_malforme
     for bad in ("gptq+damp", "+damp=1", "gptq+=1"):
         with pytest.raises(ValueError):
             method_spec(bad)
+
+
+def test_chart_labels_shorten_the_overrides():
+    assert short_label("gptq") == "gptq"
+    assert short_label("gptq+router_weighting=squared+act_order=none") == "gptq+rw:squared+none"
+    assert short_label("gptq+calibration=all_experts+act_order=group_aware") == "gptq+all+gar"
 
 
 def test_paired_difference_of_constant_shift_has_zero_spread_and_counts_where_b_is_lower():

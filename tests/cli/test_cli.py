@@ -185,6 +185,24 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
             command.build_config(parsed("--export", kind, "--mix", "q4_k_m"), "float32")
 
 
+def test_act_order_and_router_weighting_options_make_the_pipeline_config(monkeypatch):
+    from jgptq_torch.cli import command
+    from jgptq_torch.cli.main import build_parser
+    from jgptq_torch.export import checkpoint as export
+
+    def config(*extra):
+        args = build_parser().parse_args(["quantize", "m", "--calib", "c", "--out", "o", *extra])
+        return command.build_config(args, "float32")
+
+    monkeypatch.setattr(export, "gguf_available", lambda: True)
+    assert config().quant.act_order == "static" and config().moe.router_weighting == "none"
+    assert config("--export", "gguf", "--format", "q4_k").quant.act_order == "none"
+    assert config("--act-order", "none").quant.act_order == "none"
+    assert config("--router-weighting", "squared").moe.router_weighting == "squared"
+    with pytest.raises(ValueError, match="MoEConfig.router_weighting"):
+        config("--router-weighting", "linear", "--calibration", "all_experts")
+
+
 def test_option_defaults_are_the_config_defaults():
     from jgptq_torch.cli import command
     from jgptq_torch.cli.main import build_parser

@@ -138,7 +138,8 @@ def test_resume_refusal_names_the_settings_that_differ(tmp_path):
         resume.Checkpoint(tmp_path, state_of(changed)).open()
     assert str(refusal.value) == (
         f"{tmp_path} holds the state of another run (the quantization settings (mix None then, 'q4_k_m' now; "
-        f"quant.format 'int' then, 'q4_k' now; quant.group_size 128 then, 32 now) differ, after 1 finished "
+        f"quant.act_order 'static' then, 'none' now; quant.format 'int' then, 'q4_k' now; quant.group_size 128 "
+        f"then, 32 now) differ, after 1 finished "
         f"layers); refusing to mix them. Start over with resume=False (command line: --no-resume), or use another "
         f"output folder")
 
