@@ -96,7 +96,9 @@ def test_capture_keeps_the_eager_output():
         assert torch.equal(model(ids).logits, eager)
 
 
-def test_expert_hessians_are_over_the_prescaled_routed_rows_and_exclude_padding():
+@pytest.mark.parametrize("weighting", ["none", "squared"])
+def test_expert_hessians_are_over_the_prescaled_routed_rows_and_exclude_padding(weighting):
+    # the routing score multiplies these experts' inputs, not their outputs: router weighting leaves them as they are
     model = build("llama4", num_experts_per_tok=2)
     ids = token_ids(4, 24, seed=5)
     mask = torch.ones_like(ids)
@@ -104,7 +106,8 @@ def test_expert_hessians_are_over_the_prescaled_routed_rows_and_exclude_padding(
     mask[3, 4:] = 0
     ref = reference(model, ids, mask)
     res = jgptq.quantize_moe(model, {"input_ids": ids, "attention_mask": mask}, method="rtn", bits=4,
-                             group_size=16, keep_hessians=True, progress=False, batch_size=4)
+                             group_size=16, keep_hessians=True, progress=False, batch_size=4,
+                             router_weighting=weighting)
     key = "feed_forward.experts"
     (h_up, n_up), (h_down, n_down) = (res.hessians[(0, (key, part))] for part in ("gate_up", "down"))
     assert n_up == n_down == [r[0] for r in ref]
