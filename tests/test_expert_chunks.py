@@ -1,8 +1,9 @@
 """Routed experts a chunk at a time (jgptq_torch.pipeline.expert_chunks).
 
 - A collector of a span of experts holds, for each of them, the very bytes of a collector of every expert (Hessian,
-  token count, importance statistic), in the routed and the all-experts calibration. At the width 1024 a plain
-  reduction of a group's squares (``jnp.sum`` over its rows) gives other bytes for a smaller group on XLA:CPU.
+  token count, importance statistic), in the routed (unweighted and router-weighted) and the all-experts
+  calibration. At the width 1024 a plain reduction of a group's squares (``jnp.sum`` over its rows) gives other
+  bytes for a smaller group on XLA:CPU.
 - A run under a device budget that fits 3 of a MoE layer's 8 experts at a time goes in 3 chunks of 3, 3 and 2 and
   writes the bytes of the run of whole layers (compressed-tensors and GGUF files, records, importance statistic,
   report), stopped after a layer and resumed too; the plan is recorded and said once; a budget below one expert
@@ -47,8 +48,9 @@ def assert_same_statistics(a, b, ordered=True):
     assert a.report.coverage == b.report.coverage and a.report.warnings == b.report.warnings
 
 
-@pytest.mark.parametrize("every", [False, True], ids=["routed", "all_experts"])
-def test_a_span_collects_the_bytes_of_a_collector_of_every_expert(every):
+@pytest.mark.parametrize("every, power", [(False, 0.0), (True, 0.0), (False, 2.0)],
+                         ids=["routed", "all_experts", "router_squared"])
+def test_a_span_collects_the_bytes_of_a_collector_of_every_expert(every, power):
     model = build("qwen3_moe", num_hidden_layers=1, hidden_size=1024)
     ids = token_ids(4, 64, seed=3)
     experts = {n: (m, models.ExpertsLayout.of(m)) for n, m in model.named_modules() if models.is_experts_module(m)}
@@ -56,7 +58,7 @@ def test_a_span_collects_the_bytes_of_a_collector_of_every_expert(every):
     model.set_experts_implementation(capture.IMPLEMENTATION)
 
     def collect(span):
-        col = capture.Collector({}, experts, statistics.calibration(all_experts=every), span=span)
+        col = capture.Collector({}, experts, statistics.calibration(all_experts=every, router_power=power), span=span)
         with torch.no_grad(), col.attach(), col.batch(torch.ones_like(ids)):
             model(ids)
         return col
