@@ -246,3 +246,13 @@ def calibration(input_dtype: str = "float32", all_experts: bool = False, router_
     """The statistics of the layerwise pipeline, in the order the capture applies them: ``{"hessian":``
     :func:`hessian_sum` ``(input_dtype, all_experts, router_power), "imatrix":`` :func:`importance` ``()}``."""
     return {HESSIAN: hessian_sum(input_dtype, all_experts, router_power), IMATRIX: importance()}
+
+
+def of_config(cfg) -> dict:
+    """The statistics a layer's solve needs under ``cfg`` (a :class:`jgptq.config.PipelineConfig`):
+    :func:`calibration` with the Hessian sum in ``cfg.hessian_dtype``, of every token at every expert with
+    ``moe.calibration="all_experts"``, experts' tokens weighted by a power of their routing weight with
+    ``moe.router_weighting``. The torch pipeline collects what this returns; an option that changes what is
+    collected is read here."""
+    return calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
+                       router_power=cfg.moe.router_power)

@@ -2,7 +2,7 @@
 
 :func:`calibrate` is the one loop that runs calibration batches through a decoder layer. Its callers differ only
 in what they hand it: the quantizing step (:mod:`jgptq_torch.pipeline.layerwise`) collects the Hessians and the
-importance statistic (:func:`statistics_of`) on the run's inputs; the float stream
+importance statistic (:func:`jgptq.statistics.of_config`) on the run's inputs; the float stream
 (:mod:`jgptq_torch.pipeline.float_stream`) collects the importance statistic alone on the float model's inputs and
 keeps the outputs; the first pass of ``target_bpw`` (:mod:`jgptq_torch.pipeline.sensitivity`) collects what the
 quantizing step does and keeps the outputs (every layer measured on float inputs). A layer whose routed experts
@@ -11,19 +11,9 @@ go in chunks (:mod:`jgptq_torch.pipeline.expert_chunks`) runs it once per chunk,
 
 from __future__ import annotations
 
-from jgptq import statistics
 from jgptq_torch.pipeline import capture
 from jgptq_torch.pipeline.inputs import run_layer
 from jgptq_torch.progress import stage_bar
-
-
-def statistics_of(cfg) -> dict:
-    """The statistics a layer's solve needs under ``cfg`` (a :class:`jgptq.config.PipelineConfig`): the Hessian
-    sum in ``cfg.hessian_dtype`` (of every token at every expert with ``moe.calibration="all_experts"``; experts'
-    tokens weighted by their routing weight with ``moe.router_weighting``) and the importance statistic
-    (:func:`jgptq.statistics.calibration`)."""
-    return statistics.calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
-                                  router_power=cfg.moe.router_power)
 
 
 def calibrate(layer, i: int, target, stats: dict, hidden: list, layer_inputs: list, batch_list: list, *,

@@ -52,7 +52,7 @@ import warnings
 import jax
 import torch
 
-from jgptq import xla_options
+from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_torch
@@ -65,7 +65,7 @@ from jgptq_torch.pipeline import (
     importance,
     run_setup,
 )
-from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
+from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
@@ -204,7 +204,7 @@ def _calibrate(run: Run, step: LayerStep) -> None:
     i, target, cfg = step.index, step.target, run.cfg
     t0 = time.perf_counter()
     chunk = "" if step.span is None else f" experts {step.span[0]}-{step.span[1] - 1}"
-    step.collector, step.outputs = calibrate(step.layer, i, target, statistics_of(cfg), step.hidden,
+    step.collector, step.outputs = calibrate(step.layer, i, target, statistics.of_config(cfg), step.hidden,
                                              step.layer_inputs, run.batch_list, span=step.span,
                                              keep_outputs=step.keep_outputs, desc=f"layer {i} calibrate{chunk}",
                                              progress=cfg.progress)

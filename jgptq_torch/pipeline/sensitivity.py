@@ -48,11 +48,12 @@ import torch
 
 from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
+from jgptq import statistics
 from jgptq.objective import hessian_loss
 from jgptq.surface import on_command_line, option
 from jgptq_torch import models
 from jgptq_torch.pipeline import capture, importance, run_setup
-from jgptq_torch.pipeline.calibrate import calibrate, statistics_of
+from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq_torch.progress import LayerProgress
@@ -163,8 +164,8 @@ def measure(run, free: dict, gains) -> dict:
         t0 = time.perf_counter()
         layer = placement.fetch(i)
         target = run.targets[i]
-        collector, outputs = calibrate(layer, i, target, statistics_of(cfg), hidden, layer_inputs, run.batch_list,
-                                       keep_outputs=True)
+        collector, outputs = calibrate(layer, i, target, statistics.of_config(cfg), hidden, layer_inputs,
+                                       run.batch_list, keep_outputs=True)
         base = f"{run.prefix}.{i}"
         stats = importance.layer_imatrix(collector, run.prefix, i, target)
         stacks = [s for s in layer_stacks(collector, target, base, run.plan, cfg, stats if run.given is None
