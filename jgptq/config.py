@@ -17,7 +17,6 @@ from jgptq.run_fields import (OFFLOADS, RUN_FIELDS, check_run_fields, fail_in as
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
 AUTO_ORDER = "auto"   # QuantConfig's default act_order: "static" on integer grids, "none" for GGML formats
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
-METHODS = ("gptq", "rtn")
 MOE_CALIBRATIONS = ("routed", "all_experts")
 ROUTER_WEIGHTINGS = {"none": 0.0, "linear": 1.0, "squared": 2.0}   # name -> power of the routing weight
 HESSIAN_DTYPES = ("float32", "bfloat16")

@@ -19,8 +19,9 @@ import os
 import sys
 import textwrap
 
-from jgptq.config import (ACT_ORDERS, AUTO_ORDER, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES, METHODS,
+from jgptq.config import (ACT_ORDERS, AUTO_ORDER, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES,
                           MOE_CALIBRATIONS, OFFLOADS, ROUTER_WEIGHTINGS, MoEConfig, PipelineConfig, QuantConfig)
+from jgptq.methods import registry as method_registry
 from jgptq.mixes import PRESETS
 from jgptq.version import __version__
 
@@ -105,9 +106,10 @@ def _quant_options(p: argparse.ArgumentParser) -> None:
                         f"none for GGML formats)")
     g.add_argument("--damp", type=float, default=damp, help=f"relative Hessian damping (default: {damp})")
     method = default(PipelineConfig, "method")
-    g.add_argument("--method", choices=METHODS, default=method,
+    g.add_argument("--method", choices=method_registry.names(), default=method,
                    help="gptq, or rtn: round-to-nearest on the same grids, a baseline; with a GGML format a plain "
-                        f"encode with importance, as llama-quantize with an imatrix (default: {method})")
+                        "encode with importance, as llama-quantize with an imatrix; any method built into "
+                        f"jgptq.methods (default: {method})")
     g.add_argument("--mix", choices=MIXES, help="a llama.cpp mix for GGML formats (q4_k_m: q4_k with attn_v and "
                    "ffn_down raised to q6_k on llama.cpp's layers, ...); sets --format to its base")
     g.add_argument("--tensor-format", action="append", metavar="REGEX=FORMAT",

@@ -185,7 +185,7 @@ def test_ggml_options_make_the_pipeline_config(monkeypatch):
             command.build_config(parsed("--export", kind, "--mix", "q4_k_m"), "float32")
 
 
-def test_act_order_and_router_weighting_options_make_the_pipeline_config(monkeypatch):
+def test_act_order_router_weighting_and_method_options_make_the_pipeline_config(monkeypatch):
     from jgptq_torch.cli import command
     from jgptq_torch.cli.main import build_parser
     from jgptq_torch.export import checkpoint as export
@@ -199,6 +199,9 @@ def test_act_order_and_router_weighting_options_make_the_pipeline_config(monkeyp
     assert config("--export", "gguf", "--format", "q4_k").quant.act_order == "none"
     assert config("--act-order", "none").quant.act_order == "none"
     assert config("--router-weighting", "squared").moe.router_weighting == "squared"
+    assert config("--method", "gptq_search_diag").method == "gptq_search_diag"   # methods built into jgptq
+    with pytest.raises(SystemExit):
+        config("--method", "awq")
     with pytest.raises(ValueError, match="MoEConfig.router_weighting"):
         config("--router-weighting", "linear", "--calibration", "all_experts")
 
