@@ -253,6 +253,17 @@ def of_config(cfg) -> dict:
     :func:`calibration` with the Hessian sum in ``cfg.hessian_dtype``, of every token at every expert with
     ``moe.calibration="all_experts"``, experts' tokens weighted by a power of their routing weight with
     ``moe.router_weighting``. The torch pipeline collects what this returns; an option that changes what is
-    collected is read here."""
-    return calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
-                       router_power=cfg.moe.router_power)
+    collected is read here.
+
+    Raises:
+      ValueError: ``cfg.method`` declares a statistic (:attr:`jgptq.methods.Method.statistics`) not collected.
+    """
+    from jgptq.methods import registry
+
+    chain = calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
+                        router_power=cfg.moe.router_power)
+    missing = [s for s in registry.get(cfg.method).statistics if s not in chain]
+    if missing:
+        raise ValueError(f"method {cfg.method!r} reads the statistics {missing}, which the pipeline does not "
+                         f"collect (it collects {list(chain)})")
+    return chain

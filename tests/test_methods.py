@@ -72,6 +72,16 @@ def test_a_registered_method_solves_its_buckets_with_the_shared_fallbacks(plugin
     assert PipelineConfig(method=plugin.name).method == plugin.name
 
 
+def test_the_statistics_a_method_declares_must_be_collected(plugin):
+    from jgptq import statistics
+
+    assert list(statistics.of_config(PipelineConfig(method=plugin.name))) == ["hessian", "imatrix"]
+    plugin.statistics = ("hessian", "activation_means")
+    with pytest.raises(ValueError, match=r"method 'nearest_with_tokens' reads the statistics \['activation_means'\], "
+                                         r"which the pipeline does not collect"):
+        statistics.of_config(PipelineConfig(method=plugin.name))
+
+
 def test_a_registered_method_runs_through_the_torch_pipeline(plugin):
     torch = pytest.importorskip("torch")
     import jgptq

@@ -4,7 +4,9 @@ A method is an object with
 
 - ``name``: what plans, configs, records and reports call it;
 - ``statistics``: the names of the calibration statistics its solve reads (see :mod:`jgptq.statistics`, e.g.
-  ``("hessian",)``); an empty tuple for a method that needs no calibration;
+  ``("hessian",)``); an empty tuple for a method that needs no calibration. The torch pipeline collects the
+  Hessian and the importance statistic for every run (:func:`jgptq.statistics.of_config`) and refuses a method
+  that declares one it does not collect;
 - ``token_threshold``: True when a matrix whose statistics saw fewer tokens than the run's threshold (an expert
   rarely or never routed to) is not solved by the method but falls back to round-to-nearest (reported as ``rtn``
   with the reason);
