@@ -90,9 +90,12 @@ MODELS = {
                    mup_enabled=True, route_scale=2.0, route_norm=True)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # mixtures of MLP experts and of attention experts (query and output projections), kv_channels per head
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM",
+               {"kv_channels": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
-# built only to be refused
-REFUSED = {"phimoe"}
+# no GGUF export: built to be refused by the GGUF exporter
+REFUSED = {"phimoe", "jetmoe"}
 # families whose converter reads only another vocabulary format (SentencePiece; tiktoken ranks for hunyuan): it is
 # made to read the tests' BPE one as GPT-2's
 BPE_VOCAB = {"ernie4_5_moe", "hunyuan_v1_moe"}
