@@ -47,6 +47,7 @@ ROWS = {
     "hunyuan_v1_moe": Row(YES, YES, "hunyuan-moe"),
     "lfm2_moe": Row(YES, YES, "lfm2moe"),
     "afmoe": Row(YES, YES, "afmoe"),
+    "qwen3_next": Row(YES, YES, "qwen3next"),
     "granitemoe": Row(YES, REFUSED, "granitemoe", "compressed-tensors: " + _FUSED),
     "granitemoeshared": Row(YES, REFUSED, "granitemoe", "compressed-tensors: " + _FUSED),
     "gpt_oss": Row(YES, REFUSED, "gpt-oss", "compressed-tensors: " + _FUSED),

@@ -137,3 +137,18 @@ def test_lfm2_moe_untied_head_matches_torch(tmp_path):
     got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
     want = torch_logits(model)
     assert np.abs(got - want).max() / want.std() < 1e-4
+
+
+def test_qwen3_next_drawn_norms_match_torch(tmp_path):
+    """Qwen3-Next's norms scale by 1 + weight (weight 0 at initialisation), its linear attention's gated norm by the
+    weight: all drawn, the file's 1 + weight and the gated norm's own weight run as torch."""
+    import torch
+
+    model = build("qwen3_next")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0 if ".linear_attn." in name else 0.0, 0.2)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    want = torch_logits(model)
+    assert np.abs(got - want).max() / want.std() < 1e-4
