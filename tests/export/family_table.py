@@ -48,6 +48,7 @@ ROWS = {
     "lfm2_moe": Row(YES, YES, "lfm2moe"),
     "afmoe": Row(YES, YES, "afmoe"),
     "qwen3_next": Row(YES, YES, "qwen3next"),
+    "qwen3_5_moe_text": Row(YES, YES, "qwen35moe"),
     "granitemoe": Row(YES, REFUSED, "granitemoe", "compressed-tensors: " + _FUSED),
     "granitemoeshared": Row(YES, REFUSED, "granitemoe", "compressed-tensors: " + _FUSED),
     "gpt_oss": Row(YES, REFUSED, "gpt-oss", "compressed-tensors: " + _FUSED),

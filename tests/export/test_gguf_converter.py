@@ -61,6 +61,7 @@ EXCEPTIONS = {
     "qwen3_next": {"attention.recurrent_layers": "the converter lists each layer's kind; jgptq writes "
                    "full_attention_interval, from which llama.cpp derives the same kinds (the gguf package has no key "
                    "for the list; test_qwen3_next_layer_kinds)"},
+    "qwen3_5_moe_text": {"attention.recurrent_layers": "as qwen3_next's"},
     "hunyuan_v1_moe": {
         "context_length": "HunYuan's converter pins 256k tokens for alpha-scaled rotary bases (llama.cpp reads it as "
                           "the default context size, not in the graph); jgptq writes max_position_embeddings",
@@ -79,6 +80,7 @@ TENSOR_EXCEPTIONS = {
     "qwen2_moe": {"ffn_gate_inp_shexp.weight": "written as {n_embd}, the converter's as {n_embd, 1}: the same "
                                               "ggml extent and bytes, and llama.cpp loads it as {n_embd}"},
     "qwen3_next": {"ffn_gate_inp_shexp.weight": "as qwen2_moe's"},
+    "qwen3_5_moe_text": {"ffn_gate_inp_shexp.weight": "as qwen2_moe's"},
 }
 ALWAYS = {"general.architecture", "general.file_type", "general.quantization_version"}
 
@@ -142,10 +144,12 @@ def test_float_export_matches_llama_cpp_converter(family, folder):
     assert not stale, f"{family}: listed exceptions that no longer differ: {stale}"
 
 
-def test_qwen3_next_layer_kinds(folder):
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+def test_qwen3_next_layer_kinds(family, folder):
     """The converter's per-layer kinds are those llama.cpp derives from jgptq's full_attention_interval (a layer is
     linear attention unless (i + 1) % interval == 0)."""
-    _, ours, theirs = converted("qwen3_next", folder)
-    interval = gguf.GGUFReader(str(ours)).fields["qwen3next.full_attention_interval"].contents()
-    kinds = gguf.GGUFReader(str(theirs)).fields["qwen3next.attention.recurrent_layers"].contents()
+    _, ours, theirs = converted(family, folder)
+    arch = gguf.GGUFReader(str(ours)).fields["general.architecture"].contents()
+    interval = gguf.GGUFReader(str(ours)).fields[f"{arch}.full_attention_interval"].contents()
+    kinds = gguf.GGUFReader(str(theirs)).fields[f"{arch}.attention.recurrent_layers"].contents()
     assert interval == 4 and kinds == [(i + 1) % interval != 0 for i in range(len(kinds))] == [True] * 3 + [False]

@@ -62,9 +62,11 @@ class Rows:
 
 @dataclasses.dataclass(frozen=True)
 class Elementwise:
-    """A float vector written as ``fn(value)`` (float32 in, float32 out); never a record."""
+    """A float vector written as ``-exp(value)``, ``value + 1`` or ``value`` (``what``: "-exp", "+1", "="; float32 in
+    and out), its entries then taken in ``order`` (None: as they are); never a record."""
 
     what: str
+    order: tuple | None = None
     keeps_blocks = False
 
     def shape(self, full: tuple) -> tuple:
@@ -72,8 +74,8 @@ class Elementwise:
 
     def floats(self, value: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(value, np.float32))
-        out = -torch.exp(x) if self.what == "-exp" else x + 1.0
-        return out.numpy()
+        out = {"-exp": lambda: -torch.exp(x), "+1": lambda: x + 1.0, "=": lambda: x}[self.what]().numpy()
+        return out if self.order is None else out[..., list(self.order)]
 
     def imatrix(self, sums, counts):
         return None
@@ -105,7 +107,8 @@ def full_attention_interval(model, spec) -> int:
     return n
 
 
-def _check(model, spec):
+def check(model, spec):
+    """The refusals of Qwen3-Next's and Qwen3.5's linear-attention families."""
     cfg = model.config
     require_every_layer_moe(model, spec)
     full_attention_interval(model, spec)
@@ -114,17 +117,31 @@ def _check(model, spec):
                f"linear attention's value heads as its key heads ({cfg.linear_key_head_dim})")
 
 
-def _meta(cfg, meta, key):
+def linear_attention_meta(cfg, meta, key, spec):
+    """The linear attention's ``ssm.*`` keys, the layer pattern and the partial rotary width."""
     s = gguf.Keys.SSM
-    model = type("Qwen3NextForCausalLM", (), {"config": cfg})()
+    model = type(spec.model_type, (), {"config": cfg})()
     meta[key(s.CONV_KERNEL)] = int(cfg.linear_conv_kernel_dim)
     meta[key(s.STATE_SIZE)] = int(cfg.linear_key_head_dim)
     meta[key(s.GROUP_COUNT)] = int(cfg.linear_num_key_heads)
     meta[key(s.TIME_STEP_RANK)] = int(cfg.linear_num_value_heads)
     meta[key(s.INNER_SIZE)] = int(cfg.linear_value_head_dim) * int(cfg.linear_num_value_heads)
-    meta[key(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL)] = full_attention_interval(model, FAMILIES[0])
+    meta[key(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL)] = full_attention_interval(model, spec)
     partial = float(rope_parameters(cfg).get("partial_rotary_factor", 1.0))
     meta[key(gguf.Keys.Rope.DIMENSION_COUNT)] = int(head_dim(cfg) * partial)
+
+
+def _meta(cfg, meta, key):
+    linear_attention_meta(cfg, meta, key, FAMILIES[0])
+
+
+def norms(param, tmap):
+    """The zero-centred RMS norms (all but the linear attention's gated one) as ``1 + weight``, or None."""
+    from jgptq_torch.export.gguf.arch import Target
+
+    if param.endswith("norm.weight") and not param.endswith(".linear_attn.norm.weight"):
+        return [Target(tmap.get_name(param[: -len(".weight")]) + ".weight", role="norm", split=PLUS_ONE)]
+    return None
 
 
 def _special(model, spec, param, tmap):
@@ -142,11 +159,9 @@ def _special(model, spec, param, tmap):
         return [Target(tmap.get_name(owner + ".dt_proj") + ".bias", role="norm")]
     if param.endswith(".linear_attn.conv1d.weight"):
         return [Target(tmap.get_name(owner) + ".weight", role="norm", split=ConvKernel())]
-    if param.endswith("norm.weight") and not param.endswith(".linear_attn.norm.weight"):
-        return [Target(tmap.get_name(owner) + ".weight", role="norm", split=PLUS_ONE)]
-    return None
+    return norms(param, tmap)
 
 
 FAMILIES = [Arch("qwen3_next", gguf.MODEL_ARCH.QWEN3NEXT, permute_qk=False, norm_topk=True, norm_topk_default=True,
-                 expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size", check=_check,
+                 expert_ff="moe_intermediate_size", shared_ff="shared_expert_intermediate_size", check=check,
                  meta=_meta, special=_special)]
