@@ -58,13 +58,14 @@ def save(model, folder: Path):
     return tok
 
 
-def convert(folder: Path, out: Path, src: Path, bpe_vocab: bool = False) -> Path:
-    """Runs llama.cpp's converter on the saved model ``folder`` (``--outtype f32``) and returns ``out``;
-    ``bpe_vocab``: the family's converter reads the byte-level BPE vocabulary as GPT-2's (see run_converter)."""
+def convert(folder: Path, out: Path, src: Path, bpe_vocab: bool = False, args: tuple = ()) -> Path:
+    """Runs llama.cpp's converter on the saved model ``folder`` (``--outtype f32``, then ``args``) and returns
+    ``out``; ``bpe_vocab``: the family's converter reads the byte-level BPE vocabulary as GPT-2's (see
+    run_converter)."""
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["JGPTQ_CONVERTER_BPE_VOCAB"] = "1" if bpe_vocab else "0"
     done = subprocess.run([sys.executable, str(HERE / "run_converter.py"), str(src), str(folder), "--outtype", "f32",
-                           "--outfile", str(out)], capture_output=True, text=True, env=env, timeout=300)
+                           "--outfile", str(out), *args], capture_output=True, text=True, env=env, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp's converter failed on {folder}:\n{done.stderr[-4000:]}")
     return out

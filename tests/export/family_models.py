@@ -88,14 +88,36 @@ MODELS = {
               dict(num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=32, head_dim=16, num_experts=4,
                    num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=16,
                    mup_enabled=True, route_scale=2.0, route_norm=True)),
+    # three gated-delta-net (linear attention) layers, then gated full attention with partial rotary embedding (the
+    # released pattern); twice as many value heads as key heads; every layer experts and a gated shared expert
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "head_dim": 16, "intermediate_size": 128,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 8,
+                    "num_experts_per_tok": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    # Qwen3-Next's layers with the linear attention's projections apart and value heads reordered for llama.cpp;
+    # rotary sections of the 2 rotated pairs of a head of 16 (the released ones cover 32 pairs of 256)
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         {"num_hidden_layers": 4, "head_dim": 16, "moe_intermediate_size": 32,
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]},
+                          "shared_expert_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                          "linear_value_head_dim": 16}),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # mixtures of MLP experts and of attention experts (query and output projections), kv_channels per head
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM",
+               {"kv_channels": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
-# built only to be refused
-REFUSED = {"phimoe"}
+# no GGUF export: built to be refused by the GGUF exporter
+REFUSED = {"phimoe", "jetmoe"}
 # families whose converter reads only another vocabulary format (SentencePiece; tiktoken ranks for hunyuan): it is
 # made to read the tests' BPE one as GPT-2's
 BPE_VOCAB = {"ernie4_5_moe", "hunyuan_v1_moe"}
+# the converter's extra arguments per family: Qwen3-Next's and Qwen3.5's converters expect multi-token-prediction tensors, which
+# transformers' model does not hold, unless told to leave them out
+CONVERTER_ARGS = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe_text": ("--no-mtp",)}
 
 
 def build(family: str, seed: int = 0, **overrides):

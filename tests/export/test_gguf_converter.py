@@ -21,7 +21,7 @@ import pytest
 
 from jgptq_torch.export.gguf.export import export_gguf
 from tests.export import converter
-from tests.export.family_models import BPE_VOCAB, MODELS, REFUSED, build
+from tests.export.family_models import BPE_VOCAB, CONVERTER_ARGS, MODELS, REFUSED, build
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -58,6 +58,10 @@ EXCEPTIONS = {
     "llama4_text": {},
     "lfm2_moe": {},
     "afmoe": {},
+    "qwen3_next": {"attention.recurrent_layers": "the converter lists each layer's kind; jgptq writes "
+                   "full_attention_interval, from which llama.cpp derives the same kinds (the gguf package has no key "
+                   "for the list; test_qwen3_next_layer_kinds)"},
+    "qwen3_5_moe_text": {"attention.recurrent_layers": "as qwen3_next's"},
     "hunyuan_v1_moe": {
         "context_length": "HunYuan's converter pins 256k tokens for alpha-scaled rotary bases (llama.cpp reads it as "
                           "the default context size, not in the graph); jgptq writes max_position_embeddings",
@@ -75,6 +79,8 @@ TENSOR_EXCEPTIONS = {
                                          "keeps it (1, E)): the same extent and bytes, loaded as {n_expert}"},
     "qwen2_moe": {"ffn_gate_inp_shexp.weight": "written as {n_embd}, the converter's as {n_embd, 1}: the same "
                                               "ggml extent and bytes, and llama.cpp loads it as {n_embd}"},
+    "qwen3_next": {"ffn_gate_inp_shexp.weight": "as qwen2_moe's"},
+    "qwen3_5_moe_text": {"ffn_gate_inp_shexp.weight": "as qwen2_moe's"},
 }
 ALWAYS = {"general.architecture", "general.file_type", "general.quantization_version"}
 
@@ -93,7 +99,8 @@ def converted(family: str, folder):
     model = build(family)
     folder = folder / family
     tok = converter.save(model, folder)
-    theirs = converter.convert(folder, folder / "theirs.gguf", src, bpe_vocab=family in BPE_VOCAB)
+    theirs = converter.convert(folder, folder / "theirs.gguf", src, bpe_vocab=family in BPE_VOCAB,
+                               args=CONVERTER_ARGS.get(family, ()))
     ours = export_gguf(model, None, folder / "ours.gguf", float_type="f32", tokenizer=tok, name=family)
     return model, ours, theirs
 
@@ -135,3 +142,14 @@ def test_float_export_matches_llama_cpp_converter(family, folder):
     assert unexplained == {}, f"{family}: metadata differs from llama.cpp's converter: {unexplained}"
     stale = {k for k in allowed if k not in diff["meta"]} - SHARED
     assert not stale, f"{family}: listed exceptions that no longer differ: {stale}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+def test_qwen3_next_layer_kinds(family, folder):
+    """The converter's per-layer kinds are those llama.cpp derives from jgptq's full_attention_interval (a layer is
+    linear attention unless (i + 1) % interval == 0)."""
+    _, ours, theirs = converted(family, folder)
+    arch = gguf.GGUFReader(str(ours)).fields["general.architecture"].contents()
+    interval = gguf.GGUFReader(str(ours)).fields[f"{arch}.full_attention_interval"].contents()
+    kinds = gguf.GGUFReader(str(theirs)).fields[f"{arch}.attention.recurrent_layers"].contents()
+    assert interval == 4 and kinds == [(i + 1) % interval != 0 for i in range(len(kinds))] == [True] * 3 + [False]

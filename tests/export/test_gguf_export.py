@@ -183,7 +183,8 @@ def test_errors(tmp_path):
                                                    r"'ernie4_5_moe', 'glm4_moe', 'gpt_oss', 'granitemoe', "
                                                    r"'granitemoeshared', 'hunyuan_v1_moe', 'lfm2_moe', 'llama', "
                                                    r"'llama4_text', "
-                                                   r"'minimax_m2', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]"):
+                                                   r"'minimax_m2', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_5_moe_text', "
+                                                   r"'qwen3_moe', 'qwen3_next'\]"):
         export_gguf(_unexported(), None, tmp_path / "x.gguf")
     with pytest.raises(UnsupportedGGUFModel, match="norm_topk_prob=False"):
         export_gguf(build("qwen3_moe", norm_topk_prob=False), None, tmp_path / "x.gguf")

@@ -45,6 +45,15 @@ def yarn(**changes):
     ("lfm2_moe", dict(routed_scaling_factor=2.0), "does not scale"),
     ("afmoe", dict(global_attn_every_n_layers=2, layer_types=None), "every 4th layer"),
     ("afmoe", dict(mup_enabled=False), "sqrt"),
+    ("qwen3_next", {"layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"]},
+     "every n-th layer full attention"),
+    ("qwen3_next", {"linear_value_head_dim": 32}, "value heads as its key heads"),
+    ("qwen3_next", {"mlp_only_layers": [0]}, "experts in every layer"),
+    ("qwen3_next", {"norm_topk_prob": False}, "norm_topk_prob=True"),
+    ("qwen3_5_moe_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "cover the 2 rotated pairs"),
+    ("qwen3_5_moe_text", {"layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                          "linear_attention"]}, "every n-th layer"),
 ])
 def test_refusals(family, overrides, match):
     model = build(family, **overrides)

@@ -18,13 +18,14 @@ import pytest
 
 from jgptq_torch.export.gguf.export import export_gguf
 from tests.export.family_models import build
+from tests.export.family_table import gguf_families
 from tests.export.gguf_models import quantize_in_place
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama_cpp
 
-FAMILIES = ["deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "granitemoe", "granitemoeshared", "ernie4_5_moe",
-            "gpt_oss", "llama4_text", "hunyuan_v1_moe", "lfm2_moe", "afmoe"]
+# the README table's GGUF families beyond those of test_gguf_llama_cpp.py
+FAMILIES = [f for f in gguf_families() if f not in ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")]
 IDS = [int(x) for x in np.random.default_rng(0).integers(0, 256, 32)]
 
 
@@ -50,12 +51,7 @@ def torch_logits(model, ids=IDS) -> np.ndarray:
 def _quantized(family):
     """The model with every weight llama.cpp quantizes (by the exporter's plan: not routers, norms, embedding or
     head) encoded in q8_0 and written back dequantized, and the records."""
-    from jgptq_torch.export.gguf.arch import arch_of, targets
-
-    model = build(family)
-    plan = targets(model, arch_of(model))
-    keep = {p for p, ts in plan.items() if ts and all(t.role == "weight" for t in ts)}
-    return model, quantize_in_place(model, "q8_0", only=keep)
+    return _quantized_with(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -136,3 +132,55 @@ def test_lfm2_moe_untied_head_matches_torch(tmp_path):
     got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
     want = torch_logits(model)
     assert np.abs(got - want).max() / want.std() < 1e-4
+
+
+def test_qwen3_next_drawn_norms_match_torch(tmp_path):
+    """Qwen3-Next's norms scale by 1 + weight (weight 0 at initialisation), its linear attention's gated norm by the
+    weight: all drawn, the file's 1 + weight and the gated norm's own weight run as torch."""
+    import torch
+
+    model = build("qwen3_next")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0 if ".linear_attn." in name else 0.0, 0.2)
+    got = llama_cpp_logits(export_gguf(model, None, tmp_path / "f32.gguf", float_type="f32"))
+    want = torch_logits(model)
+    assert np.abs(got - want).max() / want.std() < 1e-4
+
+
+@pytest.mark.parametrize("width", [32, 16])
+def test_qwen3_5_moe_value_heads_reordered(width, tmp_path):
+    """Qwen3.5-MoE's value heads (4, two per key head) tiled for llama.cpp: q8_0 records of value heads as wide as
+    the block (32) keep their blocks, ``out_proj``'s by whole column blocks (its dequantized file tensor is the
+    torch weight with columns in llama.cpp's order); of narrower heads (16), ``out_proj`` is written from the
+    dequantized values in float32, with a warning. Both run as the torch model holding the same weights."""
+    import gguf
+
+    from jgptq_torch.export.gguf.families.qwen35 import value_order
+
+    model, result = _quantized_with("qwen3_5_moe_text", linear_key_head_dim=width, linear_value_head_dim=width)
+    if width == 32:
+        path = export_gguf(model, result, tmp_path / "q8_0.gguf", float_type="f32")
+    else:
+        with pytest.warns(UserWarning, match="do not hold whole q8_0 blocks"):
+            path = export_gguf(model, result, tmp_path / "q8_0.gguf", float_type="f32")
+    t = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.ssm_out.weight"]
+    want = model.model.layers[0].linear_attn.out_proj.weight.detach().numpy()[:, value_order(model.config, width)]
+    if width == 32:
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
+    else:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32
+        got = np.asarray(t.data)
+    np.testing.assert_array_equal(got, want)
+    _assert_runs_like_torch(f"qwen3_5_moe_text q8_0, value heads of {width}", path, model)
+
+
+def _quantized_with(family, **overrides):
+    from jgptq_torch.export.gguf.arch import arch_of, targets
+
+    model = build(family, **overrides)
+    plan = targets(model, arch_of(model))
+    keep = {p for p, ts in plan.items() if ts and all(t.role == "weight" for t in ts)}
+    return model, quantize_in_place(model, "q8_0", only=keep)

@@ -91,7 +91,10 @@ def metadata(model, spec: Arch) -> dict:
         key(k.CONTEXT_LENGTH): int(cfg.max_position_embeddings),
         key(k.EMBEDDING_LENGTH): int(cfg.hidden_size),
         key(k.BLOCK_COUNT): int(cfg.num_hidden_layers),
-        key(k.FEED_FORWARD_LENGTH): int(cfg.intermediate_size),
+    }
+    if getattr(cfg, "intermediate_size", None) is not None:   # families with experts in every layer may have none
+        meta[key(k.FEED_FORWARD_LENGTH)] = int(cfg.intermediate_size)
+    meta |= {
         key(a.HEAD_COUNT): int(cfg.num_attention_heads),
         key(a.HEAD_COUNT_KV): int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
         key(a.KEY_LENGTH): hd,
@@ -176,8 +179,9 @@ class Target:
       flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
       split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
         ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
-        ``keeps_blocks``, ``blocks(payload)`` of a record (else the tensor is written in the float type from the
-        record's dequantized values), and ``imatrix(sums, counts)``: its importance entry, or None.
+        ``keeps_blocks`` (a bool, or a test of the record), ``blocks(payload)`` of a record (else the tensor is
+        written in the float type from the record's dequantized values), and ``imatrix(sums, counts)``: its
+        importance entry, or None.
     """
 
     name: str

@@ -265,7 +265,8 @@ class GGUFFile:
         if param is None:
             return GGUFTensor(t.name, self.freqs, "f32")
         if rec is not None and t.split is not None:
-            if not t.split.keeps_blocks:
+            keeps = t.split.keeps_blocks   # a bool, or a test of the record (its format's block size)
+            if not (keeps(rec) if callable(keeps) else keeps):
                 return GGUFTensor(t.name, functools.partial(_split_dequantized, rec, t), self.float_type, shape)
             return GGUFTensor(t.name, functools.partial(_split_blocks, rec, t), rec.format, shape)
         if rec is not None:

@@ -3,10 +3,11 @@
 ``gguf`` package's name map does not give by itself."""
 
 from jgptq_torch.export.gguf.families import (afmoe, deepseek, ernie, glm, gpt_oss, granite, hunyuan, lfm2, llama,
-                                              llama4, olmoe, qwen, sigmoid_routed)
+                                              llama4, olmoe, qwen, qwen3next, qwen35, sigmoid_routed)
 from jgptq_torch.export.gguf.families.base import Arch, UnsupportedGGUFModel
 
-_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie, gpt_oss, llama4, hunyuan, lfm2, afmoe)
+_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie, gpt_oss, llama4, hunyuan, lfm2, afmoe,
+            qwen3next, qwen35)
 ARCHITECTURES = {spec.model_type: spec for module in _MODULES for spec in module.FAMILIES}
 
 # model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)

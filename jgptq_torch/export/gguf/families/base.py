@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable
 
 import gguf
+import numpy as np
 
 
 class UnsupportedGGUFModel(ValueError):
@@ -143,3 +144,20 @@ def correction_bias(model, spec, param, tmap):
     if param.endswith(".e_score_correction_bias"):
         return [Target(tmap.get_name(param[: -len("_bias")]) + ".bias", role="norm")]
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvKernel:
+    """A depthwise convolution weight (channels, 1, width) as llama.cpp's (channels, width), kept in floating
+    point (no record's blocks: the exporter refuses records for it)."""
+
+    keeps_blocks = False
+
+    def shape(self, full: tuple) -> tuple:
+        return (full[0], full[-1])
+
+    def floats(self, value: np.ndarray) -> np.ndarray:
+        return value.reshape(value.shape[0], value.shape[-1])
+
+    def imatrix(self, sums, counts):
+        return None

@@ -9,29 +9,9 @@ always renormalised. The convolution kernel (hidden, 1, L) is written as llama.c
 float32 (its projections are ordinary weights).
 """
 
-import dataclasses
-
 import gguf
-import numpy as np
 
-from jgptq_torch.export.gguf.families.base import Arch, refuse, require_mha_width
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvKernel:
-    """A depthwise convolution weight (channels, 1, width) as llama.cpp's (channels, width), kept in floating
-    point (no record's blocks: the exporter refuses records for it)."""
-
-    keeps_blocks = False
-
-    def shape(self, full: tuple) -> tuple:
-        return (full[0], full[-1])
-
-    def floats(self, value: np.ndarray) -> np.ndarray:
-        return value.reshape(value.shape[0], value.shape[-1])
-
-    def imatrix(self, sums, counts):
-        return None
+from jgptq_torch.export.gguf.families.base import Arch, ConvKernel, refuse, require_mha_width
 
 
 def _check(model, spec):
