@@ -40,3 +40,16 @@ def test_full_coverage_table_marks_experts_below_the_threshold():
     text = rep.coverage_table(full=True)
     assert "1:      0*" in text and "3:      3*" in text and "2:     12 " in text
     assert "below 4: [1, 3]" in rep.coverage_table()
+
+
+def test_what_leaves_out_the_where_fields_only():
+    """The resume fingerprint's view of a config: changing where and how visibly a run works leaves it equal,
+    changing what it computes does not; the fields left out are those marked ``where``."""
+    base = PipelineConfig()
+    moved = PipelineConfig.build(base, progress=False, offload="disk", offload_dir="layers", device_budget="1GB",
+                                 reload=False, keep_offload_files=True)
+    assert moved.what() == base.what()
+    assert set(base.to_dict()) - set(base.what()) == {"progress", "offload", "offload_dir", "device_budget",
+                                                      "reload", "keep_offload_files"}
+    assert PipelineConfig.build(base, bits=3).what() != base.what()
+    assert PipelineConfig.build(base, batch_size=2).what() != base.what()
