@@ -10,8 +10,8 @@ import dataclasses
 import math
 import re
 
-from jgptq.run_fields import (OFFLOADS, RUN_FIELDS, check_run_fields, fail_in as _fail_in,  # noqa: F401
-                              parse_size)
+from jgptq.run_fields import OFFLOADS, check_run_fields, parse_size  # noqa: F401
+from jgptq.run_fields import fail_in as _fail_in
 
 # The values a field may take (the command line offers the same choices).
 ACT_ORDERS = ("none", "desc", "static", "group_aware")
@@ -175,6 +175,10 @@ class MoEConfig:
         return max(self.min_tokens, math.ceil(self.min_token_fraction * layer_tokens))
 
 
+# The metadata of a field that says where or how visibly a run works, never what it computes (:data:`RUN_FIELDS`).
+_WHERE = {"where": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """The layer-by-layer quantization of a whole model (:func:`jgptq.quantize_moe`).
@@ -240,12 +244,12 @@ class PipelineConfig:
     max_length: "int | None" = None
     exclude: tuple = ()
     keep_hessians: bool = False
-    progress: bool = True
-    offload: str = "none"
-    offload_dir: "str | None" = None
-    device_budget: "int | None" = None
-    reload: bool = True
-    keep_offload_files: bool = False
+    progress: bool = dataclasses.field(default=True, metadata=_WHERE)
+    offload: str = dataclasses.field(default="none", metadata=_WHERE)
+    offload_dir: "str | None" = dataclasses.field(default=None, metadata=_WHERE)
+    device_budget: "int | None" = dataclasses.field(default=None, metadata=_WHERE)
+    reload: bool = dataclasses.field(default=True, metadata=_WHERE)
+    keep_offload_files: bool = dataclasses.field(default=False, metadata=_WHERE)
     importance: str = "imatrix"
     imatrix_source: str = "replay"
     formats: tuple = ()
@@ -378,3 +382,8 @@ class PipelineConfig:
         for name in RUN_FIELDS:
             out.pop(name)
         return out
+
+
+# The fields that say where and how visibly a run works (marked ``where`` on the field), never what it computes:
+# a resumed run may change them (:mod:`jgptq.run_fields` checks them).
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(PipelineConfig) if f.metadata.get("where"))

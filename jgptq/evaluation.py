@@ -23,12 +23,17 @@ import dataclasses
 import importlib.resources
 import json
 import math
+import tempfile
 
 import numpy as np
 
 DEFAULT_N_CTX = 512          # llama-perplexity's default context
 HELD_OUT_FRACTION = 0.2      # the last fifth of the shipped text is held out from the demo's calibration
 ROWS_PER_CHUNK = 64          # scored positions converted to float64 at a time (bounds the memory of a large vocab)
+IN_MEMORY_BYTES = 1 << 30    # float reference logits larger than this go to a temporary file
+MIXED_RUNTIMES = ("the float logits come from {ref} and the quantized ones from {quant}, so the KL includes the "
+                  "two runtimes' own difference; for a like-for-like comparison give an F32 GGUF of the float model "
+                  "(jgptq.export_gguf(model, None, 'f32.gguf', float_type='f32')) as the float model")
 
 
 class EvaluationError(ValueError):
@@ -83,6 +88,88 @@ def cut_windows(ids, n_ctx: int, limit: int | None = None, bos_id: int | None = 
     if bos_id is not None:
         out[:, 0] = int(bos_id)
     return out
+
+
+def windows_of(ids, n_ctx: int, limit: int | None = None, bos_id: int | None = None) -> np.ndarray:
+    """The windows a comparison runs: int (n, n_ctx) windows used as they are (their own width is the window length;
+    the first ``limit`` when ``limit`` is given), or a token stream (L,) cut by :func:`cut_windows`."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 2:
+        return cut_windows(ids, n_ctx, limit, bos_id)
+    first_scored(ids.shape[1])
+    return ids[:limit] if limit else ids
+
+
+class _ScoredStore:
+    """The float model's logits at the scored positions of every window: float32 (n, S, V), in memory or, past
+    :data:`IN_MEMORY_BYTES`, in an anonymous temporary file."""
+
+    def __init__(self):
+        self.array, self.file = None, None
+
+    def put(self, i: int, n: int, rows: np.ndarray) -> None:
+        if self.array is None:
+            shape = (n,) + rows.shape
+            if np.prod(shape) * 4 > IN_MEMORY_BYTES:
+                self.file = tempfile.TemporaryFile(prefix="jgptq-eval-")
+                self.array = np.memmap(self.file, dtype=np.float32, mode="w+", shape=shape)
+            else:
+                self.array = np.empty(shape, np.float32)
+        self.array[i] = rows
+
+    def close(self) -> None:
+        self.array = None
+        if self.file is not None:
+            self.file.close()
+
+
+def compare(open_reference, open_quantized, windows: np.ndarray, *, labels: tuple, text: str,
+            bos_token_id: int | None = None, say=None) -> Evaluation:
+    """Runs the float model, then the quantized one, over ``windows`` and scores them (one model open at a time).
+
+    Args:
+      open_reference, open_quantized: callables without arguments that open a runtime: an object with
+        ``runtime`` (its name), ``windows(ids)`` (yields float32 (n_ctx, V) logits of each window) and ``close()``.
+      windows: int (n, n_ctx) (:func:`windows_of`).
+      labels: (quantized, reference) as the result names them; text: where the text came from; bos_token_id: the
+        token each window starts with, or None; say: a callable taking a progress message, or None.
+    Returns:
+      an :class:`Evaluation`; the float logits of the scored positions are kept in between (in a temporary file
+      past :data:`IN_MEMORY_BYTES`).
+    Raises:
+      EvaluationError: the two models' vocabularies differ in size.
+    """
+    say = say or (lambda msg: None)
+    n_ctx = windows.shape[1]
+    scored = scored_slice(n_ctx)
+    store = _ScoredStore()
+    try:
+        say(f"float model: {labels[1]}, {len(windows)} windows of {n_ctx} tokens")
+        runner = open_reference()
+        ref_runtime = runner.runtime
+        try:
+            for i, logits in enumerate(runner.windows(windows)):
+                store.put(i, len(windows), logits[scored])
+        finally:
+            runner.close()
+        say(f"quantized model: {labels[0]}")
+        runner = open_quantized()
+        quant_runtime, parts = runner.runtime, []
+        try:
+            for i, logits in enumerate(runner.windows(windows)):
+                if logits.shape[-1] != store.array.shape[-1]:
+                    raise EvaluationError(f"the quantized model has {logits.shape[-1]} logits per token and the "
+                                          f"float model {store.array.shape[-1]}: not the same vocabulary")
+                parts.append(token_stats(store.array[i], logits[scored], windows[i, scored.start + 1:]))
+        finally:
+            runner.close()
+    finally:
+        store.close()
+    notes = () if quant_runtime == ref_runtime else (MIXED_RUNTIMES.format(ref=ref_runtime, quant=quant_runtime),)
+    per_token = concat(parts)
+    return Evaluation(summary=summarize(per_token), per_token=per_token, quantized=labels[0], reference=labels[1],
+                      runtimes={"quantized": quant_runtime, "reference": ref_runtime}, text=text,
+                      n_ctx=int(n_ctx), windows=int(len(windows)), bos_token_id=bos_token_id, notes=notes)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The fields of a :class:`jgptq.config.PipelineConfig` that say where and how visibly a run works, never what
-it computes (:data:`RUN_FIELDS`): where the layers live between steps (``offload``, ``offload_dir``, ``reload``,
+it computes (:data:`jgptq.config.RUN_FIELDS`, the fields marked ``where``): where the layers live between steps (``offload``, ``offload_dir``, ``reload``,
 ``keep_offload_files``), the device memory budget and the progress bars. A resumed run may change them; the resume
 fingerprint hashes every other field (``PipelineConfig.what``). Here too: their checks, and byte sizes as text."""
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import re
 
-# Fields that say where and how visibly a run works, never what it computes: a resumed run may change them.
-RUN_FIELDS = ("progress", "offload", "offload_dir", "device_budget", "reload", "keep_offload_files")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 

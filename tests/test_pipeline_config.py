@@ -58,3 +58,16 @@ def test_default_act_order_is_static_on_integer_grids_and_none_for_ggml_formats(
     with pytest.raises(ValueError, match="QuantConfig.act_order='static'"):
         QuantConfig(act_order="static").replace(format="q4_k")
     assert PipelineConfig().to_dict()["quant"]["act_order"] == "static"       # what the resume fingerprint sees
+
+
+def test_what_leaves_out_the_where_fields_only():
+    """The resume fingerprint's view of a config: changing where and how visibly a run works leaves it equal,
+    changing what it computes does not; the fields left out are those marked ``where``."""
+    base = PipelineConfig()
+    moved = PipelineConfig.build(base, progress=False, offload="disk", offload_dir="layers", device_budget="1GB",
+                                 reload=False, keep_offload_files=True)
+    assert moved.what() == base.what()
+    assert set(base.to_dict()) - set(base.what()) == {"progress", "offload", "offload_dir", "device_budget",
+                                                      "reload", "keep_offload_files"}
+    assert PipelineConfig.build(base, bits=3).what() != base.what()
+    assert PipelineConfig.build(base, batch_size=2).what() != base.what()

@@ -4,7 +4,7 @@ Each side is a transformers model folder (a jgptq compressed-tensors export, a G
 can load it, or the float model), a transformers model already in memory, or a ``.gguf`` file (run in llama.cpp,
 :mod:`jgptq_torch.cli.llama_logits`). The text is tokenized once and cut into windows of ``n_ctx`` tokens
 (:func:`jgptq.evaluation.cut_windows`); the float model runs first and the logits of each window's scored half
-are kept (in a temporary file when they pass :data:`IN_MEMORY_BYTES`), then it is released and the quantized
+are kept (in a temporary file when they pass :data:`jgptq.evaluation.IN_MEMORY_BYTES`), then it is released and the quantized
 model runs, window after window, against them. One model is loaded at a time.
 
 Which runtime computes the float logits matters for GGUF files: llama.cpp computes the quantized logits, and a
@@ -15,21 +15,16 @@ dtype) to the KL. For a like-for-like comparison give an F32 GGUF of the float m
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
-from jgptq.evaluation import (DEFAULT_N_CTX, Evaluation, EvaluationError, concat, cut_windows, demo_texts,
-                              first_scored, scored_slice, summarize, token_stats)
-
-IN_MEMORY_BYTES = 1 << 30   # float reference logits larger than this go to a temporary file
-MIXED_RUNTIMES = ("the float logits come from {ref} and the quantized ones from {quant}, so the KL includes the "
-                  "two runtimes' own difference; for a like-for-like comparison give an F32 GGUF of the float model "
-                  "(jgptq.export_gguf(model, None, 'f32.gguf', float_type='f32')) as the float model")
+from jgptq.evaluation import DEFAULT_N_CTX, Evaluation, EvaluationError, compare, demo_texts, windows_of
+from jgptq.evaluation import MIXED_RUNTIMES  # noqa: F401 - the note of a result whose runtimes differ
 
 
 def _kind(spec, role: str) -> str:
@@ -122,29 +117,6 @@ def load_model(folder, *, device=None, dtype: str = "auto", trust_remote_code: b
                                   f"(--export compressed-tensors) need neither") from exc
         raise
     return model.to(device).eval()
-
-
-class _ScoredStore:
-    """The float model's logits at the scored positions of every window: float32 (n, S, V), in memory or, past
-    :data:`IN_MEMORY_BYTES`, in an anonymous temporary file."""
-
-    def __init__(self):
-        self.array, self.file = None, None
-
-    def put(self, i: int, n: int, rows: np.ndarray) -> None:
-        if self.array is None:
-            shape = (n,) + rows.shape
-            if np.prod(shape) * 4 > IN_MEMORY_BYTES:
-                self.file = tempfile.TemporaryFile(prefix="jgptq-eval-")
-                self.array = np.memmap(self.file, dtype=np.float32, mode="w+", shape=shape)
-            else:
-                self.array = np.empty(shape, np.float32)
-        self.array[i] = rows
-
-    def close(self) -> None:
-        self.array = None
-        if self.file is not None:
-            self.file.close()
 
 
 def _open(spec, kind: str, *, n_ctx, device, dtype, batch_size, threads, trust_remote_code):
@@ -243,7 +215,6 @@ def evaluate(quantized, reference, text=None, *, tokens=None, n_ctx: int = DEFAU
       a :class:`jgptq.evaluation.Evaluation` (``summary``, ``per_token``, ``table()``, ``to_json(path)``).
     """
     share_gpu_with_torch()
-    say = log or (lambda msg: None)
     specs = [(quantized, _kind(quantized, "quantized model")), (reference, _kind(reference, "float model"))]
     for spec, kind in specs:
         if kind == "gguf":   # before any model runs
@@ -252,49 +223,16 @@ def evaluate(quantized, reference, text=None, *, tokens=None, n_ctx: int = DEFAU
             require(spec)
     bos = None
     if tokens is not None:
-        ids = np.asarray(tokens, dtype=np.int64)
-        if ids.ndim == 2:
-            n_ctx = ids.shape[1]
-            ids = ids[:windows] if windows else ids
-            first_scored(n_ctx)
-        else:
-            ids = cut_windows(ids, n_ctx, windows)
-        source = "token ids"
+        stream, source = tokens, "token ids"
     else:
         texts, source = _texts(text)
         stream, bos = _token_stream(texts, tokenizer, specs[::-1])
-        ids = cut_windows(stream, n_ctx, windows, bos)
-    opts = dict(n_ctx=n_ctx, device=device, dtype=dtype, batch_size=batch_size, threads=threads,
+    ids = windows_of(stream, n_ctx, windows, bos)
+    opts = dict(n_ctx=ids.shape[1], device=device, dtype=dtype, batch_size=batch_size, threads=threads,
                 trust_remote_code=trust_remote_code)
-    scored = scored_slice(n_ctx)
-    store = _ScoredStore()
-    try:
-        say(f"float model: {_label(reference)}, {len(ids)} windows of {n_ctx} tokens")
-        runner = _open(reference, specs[1][1], **opts)
-        ref_runtime = runner.runtime
-        try:
-            for i, logits in enumerate(runner.windows(ids)):
-                store.put(i, len(ids), logits[scored])
-        finally:
-            runner.close()
-        say(f"quantized model: {_label(quantized)}")
-        runner = _open(quantized, specs[0][1], **opts)
-        quant_runtime, parts = runner.runtime, []
-        try:
-            for i, logits in enumerate(runner.windows(ids)):
-                if logits.shape[-1] != store.array.shape[-1]:
-                    raise EvaluationError(f"the quantized model has {logits.shape[-1]} logits per token and the "
-                                          f"float model {store.array.shape[-1]}: not the same vocabulary")
-                parts.append(token_stats(store.array[i], logits[scored], ids[i, scored.start + 1:]))
-        finally:
-            runner.close()
-    finally:
-        store.close()
-    notes = () if quant_runtime == ref_runtime else (MIXED_RUNTIMES.format(ref=ref_runtime, quant=quant_runtime),)
-    per_token = concat(parts)
-    return Evaluation(summary=summarize(per_token), per_token=per_token, quantized=_label(quantized),
-                      reference=_label(reference), runtimes={"quantized": quant_runtime, "reference": ref_runtime},
-                      text=source, n_ctx=int(n_ctx), windows=int(len(ids)), bos_token_id=bos, notes=notes)
+    return compare(functools.partial(_open, reference, specs[1][1], **opts),
+                   functools.partial(_open, quantized, specs[0][1], **opts), ids,
+                   labels=(_label(quantized), _label(reference)), text=source, bos_token_id=bos, say=log)
 
 
 def check_gptq_loader(quantized) -> None:

@@ -222,6 +222,8 @@ def _solve(run: Run, step: LayerStep) -> tuple:
     i, collector, span, target = step.index, step.collector, step.span, step.target
     base, report = f"{run.prefix}.{i}", run.report
     threshold = run.cfg.moe.threshold(collector.batch_tokens)
+    if run.cfg.keep_hessians:
+        expert_chunks.keep_hessians(run.result.hessians, i, collector, span)
     own = importance.layer_imatrix(collector, run.prefix, i, target, span)
     given = run.given if run.given is not None else step.imatrix
     stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
@@ -232,8 +234,6 @@ def _solve(run: Run, step: LayerStep) -> tuple:
                                                f"implementation; its routed tokens cannot be seen")
         report.coverage[f"{base}.{name}"] = list(counts)
         report.thresholds[f"{base}.{name}"] = threshold
-    if run.cfg.keep_hessians:
-        expert_chunks.keep_hessians(run.result.hessians, i, collector, span)
     run.hooks.before_solve(run, step)
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()

@@ -75,8 +75,9 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
     specs = {m.param_name(f"{prefix}.{i}"): (m.experts, m.rows, m.transposed)
              for i, t in enumerate(targets) for m in t.matrices()}
     names = models.checkpoint_names(model, specs)
-    batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     run_device = offload_mod.run_device(device, layers[0])
+    slow = models.slow_linear_attention(model, run_device)
+    batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     placement = offload_mod.Placement(model, layers, cfg, run_device, source=source)
     # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set
     activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix) else 2)
@@ -90,8 +91,7 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
     result = QuantizeResult(model, {}, report, config=cfg,
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
     run = Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix)
-    for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix),
-                 models.slow_linear_attention(model, run_device)):
+    for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix), slow):
         if note:  # said once, before the first forward; kept in the report
             warnings.warn(note, stacklevel=3)
             report.warnings.append(note)

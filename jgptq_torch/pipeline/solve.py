@@ -48,11 +48,11 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
         h, tokens = (None, 0) if got is None else got
         tokens = tokens if isinstance(tokens, list) else [tokens] * (hi - lo)
         param = m.param_name(base)
-        weight = m.weight()
-        weight = to_jax(weight if (lo, hi) == (0, m.count) else weight[lo:hi], name=m.name)
         imp = None
         if plan.matrices[param].quant.is_ggml:
             imp = importance.importance_of(cfg, stats.get(param), h, tokens, hi - lo)
+        weight = m.weight()
+        weight = to_jax(weight if (lo, hi) == (0, m.count) else weight[lo:hi], name=m.name)
         hkey = "" if key is None else f"{base}.{key if m.layout is None else m.module_name + '.' + key[1]}"
         out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp)))
     return out
