@@ -1,7 +1,9 @@
 """Frozen, validated configuration objects.
 
-:class:`QuantConfig` says how one weight matrix is quantized; it is hashable, so jitted functions take it as a
-static argument. Every field is checked at construction with an error that names the field and the rule.
+:class:`QuantConfig` (:mod:`jgptq.quant_config`) says how one weight matrix is quantized, :class:`MoEConfig` how
+experts are calibrated, :class:`PipelineConfig` the whole run. Every field is checked at construction with an
+error that names the field and the rule. A field the ``jgptq`` command exposes declares its option in its metadata
+(:func:`jgptq.options.flag`): the command's parser and its mapping to the configuration are made from it.
 """
 
 from __future__ import annotations
@@ -10,120 +12,17 @@ import dataclasses
 import math
 import re
 
+from jgptq.options import comma_list, flag, format_rules, listed, negated
+from jgptq.quant_config import ACT_ORDERS, AUTO_ORDER, SCALE_DTYPES, QuantConfig  # noqa: F401
 from jgptq.run_fields import OFFLOADS, check_run_fields, parse_size  # noqa: F401
 from jgptq.run_fields import fail_in as _fail_in
 
 # The values a field may take (the command line offers the same choices).
-ACT_ORDERS = ("none", "desc", "static", "group_aware")
-AUTO_ORDER = "auto"   # QuantConfig's default act_order: "static" on integer grids, "none" for GGML formats
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
 MOE_CALIBRATIONS = ("routed", "all_experts")
 ROUTER_WEIGHTINGS = {"none": 0.0, "linear": 1.0, "squared": 2.0}   # name -> power of the routing weight
 HESSIAN_DTYPES = ("float32", "bfloat16")
 IMPORTANCES = ("imatrix", "hessian", "none")
 IMATRIX_SOURCES = ("replay", "float")
-
-
-def _fail(field: str, value, rule: str):
-    raise ValueError(f"QuantConfig.{field}={value!r}: {rule}")
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantConfig:
-    """How a weight matrix W (out_features x in_features) is quantized by GPTQ.
-
-    Attributes:
-      format: ``"int"`` for uniform integer grids, or a GGML format name (``"q4_k"``, ``"iq2_xxs"``, ...), in
-        which case each format block of a row is encoded jointly (GPTQ group update).
-      bits: integer grid width, 2..8 (``format="int"`` only).
-      group_size: input columns sharing one scale/zero; ``-1`` = one grid per output row (per channel).
-      sym: symmetric grid (zero point fixed at the middle code) or asymmetric (zero fitted per group).
-      act_order: column order of the solve: ``"none"`` (natural), ``"desc"`` (by descending Hessian diagonal,
-        groups formed in that order: non-monotonic g_idx), ``"static"`` (descending order, groups fixed on the
-        original order with grids precomputed from the original weight, as llm-compressor), ``"group_aware"``
-        (GAR: columns sorted inside each group, groups ordered by their largest diagonal; g_idx stays monotonic).
-        The default ``"auto"`` is ``"static"`` for integer grids and ``"none"`` for GGML formats (which encode
-        blocks of consecutive columns), resolved at construction: the field holds the order the solve uses, and
-        :meth:`replace` resolves it again for a changed format unless an order is given.
-      static_groups: fit every group's grid once from the original weight instead of lazily from the
-        error-updated weight when the solve reaches the group.
-      block_size: columns per lazy block update (rounded up to a multiple of the group size).
-      damp: relative damping: ``damp * mean(diag(H))`` is added to the diagonal before the Cholesky factor.
-      mse: 0 for min/max grids; > 0 searches a clipping factor per group minimising the p-norm error with
-        ``p = mse`` (2.4 is customary).
-      mse_grid, mse_maxshrink: the clip search tries ``1 - i / mse_grid`` for ``i < mse_maxshrink * mse_grid``.
-      zero_dead_columns: columns whose Hessian diagonal is zero (no calibration input) are set to zero in W, as
-        the reference implementations do; False keeps them (they are then rounded to nearest).
-      scale_dtype: the dtype grid scales are stored in by exporters (GPTQ checkpoints store float16, compressed
-        tensors the model dtype). Scales are rounded to it when fitted, so the solve already works with the
-        stored values and exported files decode to exactly the solver's weights. ``"float32"`` keeps full scales.
-    """
-
-    format: str = "int"
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    act_order: str = AUTO_ORDER
-    static_groups: bool = False
-    block_size: int = 128
-    damp: float = 0.01
-    mse: float = 0.0
-    mse_grid: int = 100
-    mse_maxshrink: float = 0.8
-    zero_dead_columns: bool = True
-    scale_dtype: str = "float16"
-
-    def __post_init__(self):
-        if not isinstance(self.format, str) or not self.format:
-            _fail("format", self.format, "must be 'int' or a GGML format name")
-        object.__setattr__(self, "format", self.format.lower())
-        if self.act_order == AUTO_ORDER:
-            object.__setattr__(self, "act_order", "static" if self.format == "int" else "none")
-            object.__setattr__(self, "_auto_order", True)   # not a field: equal and hashed as the resolved order
-        if self.format != "int":
-            from jgptq.ggml.registry import get_format
-
-            try:
-                get_format(self.format)
-            except ValueError as exc:
-                _fail("format", self.format, str(exc))
-            if self.act_order != "none":
-                _fail("act_order", self.act_order, "GGML formats encode blocks of consecutive columns; "
-                      "only 'none' is possible")
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
-            _fail("bits", self.bits, "must be an integer in 2..8")
-        if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size < 1):
-            _fail("group_size", self.group_size, "must be -1 (per channel) or a positive integer")
-        if self.act_order not in ACT_ORDERS:
-            _fail("act_order", self.act_order, f"must be one of {ACT_ORDERS}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            _fail("block_size", self.block_size, "must be a positive integer")
-        if not 0.0 < float(self.damp) < 1.0:
-            _fail("damp", self.damp, "must lie in (0, 1)")
-        if float(self.mse) < 0.0:
-            _fail("mse", self.mse, "must be 0 (off) or a positive norm exponent")
-        if not isinstance(self.mse_grid, int) or self.mse_grid < 1:
-            _fail("mse_grid", self.mse_grid, "must be a positive integer")
-        if self.scale_dtype not in SCALE_DTYPES:
-            _fail("scale_dtype", self.scale_dtype, f"must be one of {SCALE_DTYPES}")
-        if not 0.0 < float(self.mse_maxshrink) < 1.0:
-            _fail("mse_maxshrink", self.mse_maxshrink, "must lie in (0, 1)")
-
-    @property
-    def maxq(self) -> int:
-        """Largest integer code, ``2**bits - 1``."""
-        return (1 << self.bits) - 1
-
-    @property
-    def is_ggml(self) -> bool:
-        return self.format != "int"
-
-    def replace(self, **changes) -> "QuantConfig":
-        """A copy with some fields changed (validated again); an ``act_order`` left at its default is resolved
-        again for the copy's format."""
-        if self.__dict__.get("_auto_order") and "act_order" not in changes:
-            changes["act_order"] = AUTO_ORDER
-        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +45,16 @@ class MoEConfig:
         calibration only (an unrouted token's weight is 0).
     """
 
-    calibration: str = "routed"
-    min_tokens: int = 1
+    calibration: str = dataclasses.field(default="routed", metadata=flag(
+        "--calibration", "experts' Hessians from their routed tokens, or from every token (default: {default})",
+        choices=MOE_CALIBRATIONS))
+    min_tokens: int = dataclasses.field(default=1, metadata=flag(
+        "--min-tokens", "experts with fewer calibration tokens are rounded to nearest, with a warning "
+        "(default: {default})", type=int))
     min_token_fraction: float = 0.0
-    router_weighting: str = "none"
+    router_weighting: str = dataclasses.field(default="none", metadata=flag(
+        "--router-weighting", "weight each routed token in its expert's Hessians by the routing weight ('linear') "
+        "or its square ('squared'); routed calibration only (default: {default})", choices=tuple(ROUTER_WEIGHTINGS)))
 
     def __post_init__(self):
         if self.calibration not in MOE_CALIBRATIONS:
@@ -177,6 +82,20 @@ class MoEConfig:
 
 # The metadata of a field that says where or how visibly a run works, never what it computes (:data:`RUN_FIELDS`).
 _WHERE = {"where": True}
+
+
+def _method_names() -> tuple:
+    """The methods ``--method`` offers: those registered with :mod:`jgptq.methods` when the parser is built."""
+    from jgptq.methods import registry
+
+    return tuple(registry.names())
+
+
+def _mix_names() -> tuple:
+    """The llama.cpp mixes ``--mix`` offers (:data:`jgptq.mixes.PRESETS`)."""
+    from jgptq.mixes import PRESETS
+
+    return tuple(PRESETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,28 +155,66 @@ class PipelineConfig:
         chose it (:func:`jgptq.plan.plan_matrix` applies it after the ``formats`` rules).
     """
 
-    quant: QuantConfig = QuantConfig()
+    quant: QuantConfig = QuantConfig()   # noqa: RUF009 (frozen, so one shared default is safe)
     moe: MoEConfig = MoEConfig()
-    method: str = "gptq"
-    hessian_dtype: str = "float32"
-    batch_size: int = 8
-    max_length: "int | None" = None
-    exclude: tuple = ()
+    method: str = dataclasses.field(default="gptq", metadata=flag(
+        "--method", "gptq, or rtn: round-to-nearest on the same grids, a baseline; with a GGML format a plain encode "
+        "with importance, as llama-quantize with an imatrix; any method built into jgptq.methods "
+        "(default: {default})", choices=_method_names))
+    hessian_dtype: str = dataclasses.field(default="float32", metadata=flag(
+        "--hessian-dtype", "operands of the Hessian sums, accumulated in float32 (default: {default})",
+        choices=HESSIAN_DTYPES))
+    batch_size: int = dataclasses.field(default=8, metadata=flag(
+        "--batch-size", "sequences per forward (default: {default})", type=int))
+    max_length: int | None = dataclasses.field(default=None, metadata=flag(
+        "--seq-len", "tokens per calibration sequence (default: {default})", type=int, default=512))
+    exclude: tuple = dataclasses.field(default=(), metadata=flag(
+        "--exclude", "leave modules matching this pattern (relative to a layer, e.g. 'self_attn') in floating "
+        "point; repeatable", action="append", metavar="REGEX", default=None, to_config=listed))
     keep_hessians: bool = False
-    progress: bool = dataclasses.field(default=True, metadata=_WHERE)
-    offload: str = dataclasses.field(default="none", metadata=_WHERE)
-    offload_dir: "str | None" = dataclasses.field(default=None, metadata=_WHERE)
-    device_budget: "int | None" = dataclasses.field(default=None, metadata=_WHERE)
+    progress: bool = dataclasses.field(default=True, metadata=_WHERE | flag(
+        "--quiet", "no progress bars or messages", action="store_true", default=False, to_config=negated))
+    offload: str = dataclasses.field(default="none", metadata=_WHERE | flag(
+        "--offload", "where decoder layers wait while another is processed: none (where they are loaded), cpu "
+        "(host memory), disk (one file per layer: host memory holds one layer) (default: {default})",
+        choices=OFFLOADS))
+    offload_dir: str | None = dataclasses.field(default=None, metadata=_WHERE | flag(
+        "--offload-dir", "folder of the layer files of --offload disk (default: OUT.jgptq-work/offload)",
+        metavar="DIR"))
+    device_budget: int | None = dataclasses.field(default=None, metadata=_WHERE | flag(
+        "--device-budget", "bytes the run may place on the device, e.g. 40GB: checked against each layer's "
+        "estimated need before any work; a MoE layer over it has its routed experts calibrated and solved a chunk "
+        "at a time (default: no check; on a GPU, chunks as its free memory needs)", metavar="SIZE"))
     reload: bool = dataclasses.field(default=True, metadata=_WHERE)
     keep_offload_files: bool = dataclasses.field(default=False, metadata=_WHERE)
-    importance: str = "imatrix"
-    imatrix_source: str = "replay"
-    formats: tuple = ()
-    mix: "str | None" = None
-    block_fallback: str = "error"
-    target_bpw: "float | None" = None
-    target_formats: tuple = ()
-    target_gain: str = "fisher"
+    importance: str = dataclasses.field(default="imatrix", metadata=flag(
+        "--importance", "importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
+        "the Hessian diagonal, or none (default: {default})", choices=IMPORTANCES))
+    imatrix_source: str = dataclasses.field(default="replay", metadata=flag(
+        "--imatrix-source", "inputs the imatrix statistic is collected on: replay (each layer's inputs in this run, "
+        "earlier layers quantized) or float (earlier layers float, as llama-imatrix; one more forward per layer) "
+        "(default: {default})", choices=IMATRIX_SOURCES))
+    formats: tuple = dataclasses.field(default=(), metadata=flag(
+        "--tensor-format", "GGML format of the weights whose name relative to a layer (self_attn.v_proj, "
+        "mlp.experts.down_proj) matches REGEX; first match wins; repeatable", action="append",
+        metavar="REGEX=FORMAT", default=None, to_config=format_rules))
+    mix: str | None = dataclasses.field(default=None, metadata=flag(
+        "--mix", "a llama.cpp mix for GGML formats (q4_k_m: q4_k with attn_v and ffn_down raised to q6_k on "
+        "llama.cpp's layers, ...); sets --format to its base", choices=_mix_names))
+    block_fallback: str = dataclasses.field(default="error", metadata=flag(
+        "--block-fallback", "GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "
+        "(llama.cpp's fallback types) or a format name (default: {default})", metavar="FORMAT"))
+    target_bpw: float | None = dataclasses.field(default=None, metadata=flag(
+        "--target-bpw", "bits per weight of the decoder layers' tensors: each tensor group (a layer's experts of one "
+        "projection, or one linear module) gets the candidate format whose measured output error is lowest under "
+        "that budget; --tensor-format and --exclude still fix what they match", type=float, metavar="BITS"))
+    target_formats: tuple = dataclasses.field(default=(), metadata=flag(
+        "--target-formats", "comma-separated candidates of --target-bpw/--target-size (GGML formats, or int2..int8 "
+        "for integer grids) (default: a family of the run's kind)", metavar="LIST", default=None,
+        to_config=comma_list))
+    target_gain: str = dataclasses.field(default="fisher", metadata=flag(
+        "--target-gain", "weight of each tensor's error: its output gradient's Fisher information, or one "
+        "(default: {default})", choices=("fisher", "one")))
     assignment: tuple = ()
 
     def __post_init__(self):
@@ -340,7 +297,7 @@ class PipelineConfig:
                          f"weights (llama.cpp refuses it without an imatrix); use 'imatrix' or 'hessian'")
 
     @classmethod
-    def build(cls, config=None, **kwargs) -> "PipelineConfig":
+    def build(cls, config=None, **kwargs) -> PipelineConfig:
         """A config from a :class:`PipelineConfig`, a :class:`QuantConfig` or None, with field overrides.
 
         Keyword arguments may name fields of this class, of :class:`QuantConfig` (``bits=3``) or of

@@ -17,26 +17,34 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-__all__ = ["option", "command_line", "on_command_line"]
+__all__ = ["command_line", "on_command_line", "option"]
 
 _ON_COMMAND_LINE = contextvars.ContextVar("jgptq_on_command_line", default=False)
 
-# name -> (Python spelling, command-line spelling) of options named without a value
+# name -> (Python spelling, command-line spelling) of options named without a value; a command-line spelling of
+# None is the field's flag and metavar (:func:`jgptq.options.flag_of`: ``--exclude REGEX``)
 _FIXED = {
     "overwrite": ("overwrite=True", "--overwrite"),
-    "formats": ("formats=[(regex, format)]", "--tensor-format REGEX=FORMAT"),
-    "exclude": ("exclude=[...]", "--exclude REGEX"),
+    "formats": ("formats=[(regex, format)]", None),
+    "exclude": ("exclude=[...]", None),
     "no_resume": ("resume=False", "--no-resume"),
-    "target_formats": ("target_formats=[...]", "--target-formats LIST"),
-    "block_fallback": ("block_fallback='llama.cpp' or a format name", "--block-fallback llama.cpp (or a format "
-                       "name)"),
+    "target_formats": ("target_formats=[...]", None),
+    "block_fallback": ("block_fallback='llama.cpp' or a format name",
+                       "--block-fallback llama.cpp (or a format name)"),
 }
 
-# Python argument -> its flag, for options named with a value
-_FLAGS = {
-    "target_bpw": "--target-bpw", "block_fallback": "--block-fallback", "device": "--device",
-    "max_length": "--seq-len", "format": "--format", "offload": "--offload", "group_size": "--group-size",
-}
+# Python argument -> its flag, for options that are no configuration field (a field's flag is declared on it)
+_FLAGS = {"device": "--device"}
+
+
+def _flag(name: str, metavar: bool = False) -> str:
+    """The flag of the Python argument ``name`` (with its metavar: ``--exclude REGEX``); KeyError if none."""
+    from jgptq.options import flag_of
+
+    declared = flag_of(name)
+    if declared is None:
+        return _FLAGS[name]
+    return f"{declared.name} {declared.metavar}" if metavar else declared.name
 
 
 def on_command_line() -> bool:
@@ -66,9 +74,12 @@ def option(name: str, value=_NO_VALUE) -> str:
     """
     cli = on_command_line()
     if value is _NO_VALUE:
-        return _FIXED[name][1 if cli else 0]
+        python, command = _FIXED[name]
+        if not cli:
+            return python
+        return command or _flag(name, metavar=True)
     if cli:
         shown = f"{value:g}" if isinstance(value, float) else str(value)
-        return f"{_FLAGS[name]} {shown}"
+        return f"{_flag(name)} {shown}"
     shown = f"{value:g}" if isinstance(value, float) else repr(value)
     return f"{name}={shown}"

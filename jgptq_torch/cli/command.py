@@ -29,9 +29,10 @@ from jgptq_torch.cli import preflight
 from jgptq_torch.cli.lock import output_lock, remove_leftovers
 from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
                                     paths_for)
-from jgptq.config import PipelineConfig, QuantConfig
+from jgptq.config import MoEConfig, PipelineConfig, QuantConfig
 from jgptq.config import parse_size as config_size
 from jgptq.export.records import SCALE_DTYPES
+from jgptq.options import config_values
 
 
 MIN_SEQ_LEN = 16   # tokens per calibration window below which attention sees too little context to calibrate
@@ -68,6 +69,10 @@ def check_group_size(model_dir: Path, quant: QuantConfig, exclude) -> None:
 def build_config(args, dtype: str) -> PipelineConfig:
     """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
 
+    Every option of a configuration field is read as the field declares it (:mod:`jgptq.options`); what is decided
+    here is what no one field says: the scale dtype the exporter stores, the format a mix or a target runs on, and
+    the ``target_*`` fields, which only a budget turns on (:func:`target_options`).
+
     Raises:
       jgptq_torch.export.checkpoint.ExportError: a format the chosen exporter cannot hold; ValueError: an invalid option.
     """
@@ -78,34 +83,22 @@ def build_config(args, dtype: str) -> PipelineConfig:
     else:
         scale_dtype = "float16"
     fmt = args.format
-    mix = args.mix
     target = target_options(args)
     if target and args.export == "gguf" and fmt == "int":
         fmt = "q4_k"   # a GGML run; the target gives every tensor its own format
     from jgptq.mixes import run_format
 
-    fmt = run_format(mix, fmt)   # the format the exporter check below must see
-    quant = QuantConfig(format=fmt, bits=args.bits, group_size=args.group_size, sym=args.sym,
-                        act_order=args.act_order, damp=args.damp, scale_dtype=scale_dtype)
+    fmt = run_format(args.mix, fmt)   # the format the exporter check below must see
+    quant = QuantConfig(**{**config_values(args, QuantConfig), "format": fmt, "scale_dtype": scale_dtype})
     from jgptq_torch.export.checkpoint import check_format
 
     check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
     if args.gptq_names != "checkpoint" and args.export != "gptq":
         raise CommandError(f"--gptq-names {args.gptq_names} is for --export gptq (GPTQModel.load); {args.export} "
                            f"checkpoints keep the names their loaders read")
-    rules = []
-    for text in args.tensor_format or ():
-        pattern, sep, name = text.rpartition("=")
-        if not sep or not pattern or not name:
-            raise CommandError(f"--tensor-format {text!r}: expected REGEX=FORMAT, e.g. 'v_proj$=q6_k'")
-        rules.append((pattern, name))
-    return PipelineConfig.build(None, quant=quant, hessian_dtype=args.hessian_dtype, batch_size=args.batch_size,
-                                max_length=args.seq_len, exclude=tuple(args.exclude or ()), progress=not args.quiet,
-                                method=args.method, calibration=args.calibration, min_tokens=args.min_tokens,
-                                router_weighting=args.router_weighting,
-                                offload=args.offload, offload_dir=args.offload_dir, device_budget=args.device_budget,
-                                mix=mix, formats=tuple(rules), importance=args.importance,
-                                imatrix_source=args.imatrix_source, block_fallback=args.block_fallback, **target)
+    fields = {**config_values(args, MoEConfig), **config_values(args, PipelineConfig)}
+    fields = {name: value for name, value in fields.items() if name not in TARGET_FIELDS}
+    return PipelineConfig.build(None, quant=quant, **fields, **target)
 
 
 # --target-size is a size in bytes: it becomes bits per weight once the model's weights are counted (after the
@@ -113,11 +106,15 @@ def build_config(args, dtype: str) -> PipelineConfig:
 _SIZE_PLACEHOLDER_BPW = 16.0
 
 
+# The fields of a bits budget: set from their options only when --target-bpw or --target-size gives a budget.
+TARGET_FIELDS = ("target_bpw", "target_formats", "target_gain")
+
+
 def target_options(args) -> dict:
     """The ``target_*`` config fields of ``--target-bpw``/``--target-size``/``--target-formats``/``--target-gain``
     (empty without a target). Raises CommandError for a combination no run can use."""
-    bpw, size = getattr(args, "target_bpw", None), getattr(args, "target_size", None)
-    formats = tuple(f.strip() for f in (getattr(args, "target_formats", None) or "").split(",") if f.strip())
+    given = {name: value for name, value in config_values(args, PipelineConfig).items() if name in TARGET_FIELDS}
+    bpw, size, formats = given["target_bpw"], getattr(args, "target_size", None), given["target_formats"]
     if bpw is not None and size is not None:
         raise CommandError("--target-bpw and --target-size both set the budget; give one of them")
     if bpw is None and size is None:
@@ -137,8 +134,7 @@ def target_options(args) -> dict:
                 raise ValueError
         except ValueError:
             raise CommandError(f"--target-size {size}: not a positive size such as 24GB or 500MiB") from None
-    return {"target_bpw": bpw if bpw is not None else _SIZE_PLACEHOLDER_BPW, "target_formats": formats,
-            "target_gain": args.target_gain}
+    return {**given, "target_bpw": bpw if bpw is not None else _SIZE_PLACEHOLDER_BPW}
 
 
 def size_to_bpw(model, size: str) -> float:

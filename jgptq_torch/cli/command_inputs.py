@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 from jgptq.config import parse_size as config_size
+from jgptq.options import CommandError
 
-
-class CommandError(ValueError):
-    """Bad input to a command (the message says what and how to fix it)."""
+# CommandError (jgptq.options): the commands' error; an option's value that cannot be read raises it too.
 
 
 def parse_size(text: str) -> int:

@@ -19,15 +19,13 @@ import os
 import sys
 import textwrap
 
-from jgptq.config import (ACT_ORDERS, AUTO_ORDER, HESSIAN_DTYPES, IMATRIX_SOURCES, IMPORTANCES,
-                          MOE_CALIBRATIONS, OFFLOADS, ROUTER_WEIGHTINGS, MoEConfig, PipelineConfig, QuantConfig)
-from jgptq.methods import registry as method_registry
+from jgptq.config import QuantConfig
 from jgptq.mixes import PRESETS
+from jgptq.options import add_options
 from jgptq.version import __version__
 
 EXPORTS = ("compressed-tensors", "gptq", "gguf")
 DEMO_EXPORTS = ("compressed-tensors", "gptq")   # the demo quantizes to integer grids, which GGUF does not hold
-MIXES = tuple(PRESETS)
 
 EPILOG = """examples:
   jgptq demo
@@ -86,61 +84,11 @@ def _traceback_option(p: argparse.ArgumentParser) -> None:
 
 def _quant_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization")
-    fmt, bits, group_size = (default(QuantConfig, f) for f in ("format", "bits", "group_size"))
-    g.add_argument("--format", default=fmt, help="weight format: 'int' (integer grids, for gptq and "
-                   f"compressed-tensors) or a GGML format such as q4_k (for --export gguf) (default: {fmt})")
-    g.add_argument("--bits", type=int, default=bits, help=f"bits per weight, 2..8 (default: {bits})")
-    g.add_argument("--group-size", type=int, default=group_size,
-                   help=f"input columns per scale; -1 = one per output row (default: {group_size})")
-    sym = g.add_mutually_exclusive_group()
-    symmetric = default(QuantConfig, "sym")
-    sym.add_argument("--sym", dest="sym", action="store_true", default=symmetric,
-                     help="symmetric grids, zero point in the middle" + (" (default)" if symmetric else ""))
-    sym.add_argument("--asym", dest="sym", action="store_false",
-                     help="asymmetric grids, a zero point per group" + ("" if symmetric else " (default)"))
-    act_order, damp = default(QuantConfig, "act_order"), default(QuantConfig, "damp")
-    g.add_argument("--act-order", nargs="?", const="group_aware", default=act_order,
-                   choices=(AUTO_ORDER,) + ACT_ORDERS,
-                   help="column order of the solve; the bare flag means group_aware, which every exporter "
-                        f"holds ('desc' with groups: gptq only) (default: {act_order}: static on integer grids, "
-                        f"none for GGML formats)")
-    g.add_argument("--damp", type=float, default=damp, help=f"relative Hessian damping (default: {damp})")
-    method = default(PipelineConfig, "method")
-    g.add_argument("--method", choices=method_registry.names(), default=method,
-                   help="gptq, or rtn: round-to-nearest on the same grids, a baseline; with a GGML format a plain "
-                        "encode with importance, as llama-quantize with an imatrix; any method built into "
-                        f"jgptq.methods (default: {method})")
-    g.add_argument("--mix", choices=MIXES, help="a llama.cpp mix for GGML formats (q4_k_m: q4_k with attn_v and "
-                   "ffn_down raised to q6_k on llama.cpp's layers, ...); sets --format to its base")
-    g.add_argument("--tensor-format", action="append", metavar="REGEX=FORMAT",
-                   help="GGML format of the weights whose name relative to a layer (self_attn.v_proj, "
-                        "mlp.experts.down_proj) matches REGEX; first match wins; repeatable")
-    importance = default(PipelineConfig, "importance")
-    g.add_argument("--importance", choices=IMPORTANCES, default=importance,
-                   help="importance of the GGML encoders: llama.cpp's imatrix statistic of the calibration tokens, "
-                        f"the Hessian diagonal, or none (default: {importance})")
-    source = default(PipelineConfig, "imatrix_source")
-    g.add_argument("--imatrix-source", choices=IMATRIX_SOURCES, default=source,
-                   help="inputs the imatrix statistic is collected on: replay (each layer's inputs in this run, "
-                        "earlier layers quantized) or float (earlier layers float, as llama-imatrix; one more "
-                        f"forward per layer) (default: {source})")
-    g.add_argument("--target-bpw", type=float, metavar="BITS",
-                   help="bits per weight of the decoder layers' tensors: each tensor group (a layer's experts of one "
-                        "projection, or one linear module) gets the candidate format whose measured output error "
-                        "is lowest under that budget; --tensor-format and --exclude still fix what they match")
+    add_options(g, "quant.format", "quant.bits", "quant.group_size", "quant.sym", "quant.act_order", "quant.damp",
+                "method", "mix", "formats", "importance", "imatrix_source", "target_bpw")
     g.add_argument("--target-size", metavar="SIZE",
                    help="the same budget as bytes of the decoder layers' quantized tensors, e.g. 24GB")
-    g.add_argument("--target-formats", metavar="LIST",
-                   help="comma-separated candidates of --target-bpw/--target-size (GGML formats, or int2..int8 "
-                        "for integer grids) (default: a family of the run's kind)")
-    gain = default(PipelineConfig, "target_gain")
-    g.add_argument("--target-gain", choices=("fisher", "one"), default=gain,
-                   help="weight of each tensor's error: its output gradient's Fisher information, or one "
-                        f"(default: {gain})")
-    fallback = default(PipelineConfig, "block_fallback")
-    g.add_argument("--block-fallback", default=fallback, metavar="FORMAT",
-                   help="GGML weights whose rows are not whole blocks of their format: 'error', 'llama.cpp' "
-                        f"(llama.cpp's fallback types) or a format name (default: {fallback})")
+    add_options(g, "target_formats", "target_gain", "block_fallback")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,20 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs for Mixtral")
     _quant_options(q)
     c = q.add_argument_group("calibration")
-    calibration, min_tokens = default(MoEConfig, "calibration"), default(MoEConfig, "min_tokens")
-    c.add_argument("--calibration", choices=MOE_CALIBRATIONS, default=calibration,
-                   help=f"experts' Hessians from their routed tokens, or from every token (default: {calibration})")
-    c.add_argument("--min-tokens", type=int, default=min_tokens, help="experts with fewer calibration tokens are "
-                   f"rounded to nearest, with a warning (default: {min_tokens})")
-    weighting = default(MoEConfig, "router_weighting")
-    c.add_argument("--router-weighting", choices=tuple(ROUTER_WEIGHTINGS), default=weighting,
-                   help="weight each routed token in its expert's Hessians by the routing weight ('linear') or its "
-                        f"square ('squared'); routed calibration only (default: {weighting})")
+    add_options(c, "moe.calibration", "moe.min_tokens", "moe.router_weighting")
     c.add_argument("--samples", type=int, default=128, help="calibration sequences (default: 128)")
-    c.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
-    batch_size = default(PipelineConfig, "batch_size")
-    c.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"sequences per forward (default: {batch_size})")
+    add_options(c, "max_length", "batch_size")
     c.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: MODEL_DIR)")
     r = q.add_argument_group("run")
     r.add_argument("--device", help="torch device each layer runs on (default: cuda if available, else cpu)")
@@ -197,29 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "as layers finish (host memory holds about two layers); all: load the whole model first "
                         "(from_pretrained; --offload applies). Default: stream, or all where the run needs the "
                         "whole model (--export gguf, --target-bpw/--target-size), which is said")
-    hessian_dtype = default(PipelineConfig, "hessian_dtype")
-    r.add_argument("--hessian-dtype", choices=HESSIAN_DTYPES, default=hessian_dtype,
-                   help=f"operands of the Hessian sums, accumulated in float32 (default: {hessian_dtype})")
-    r.add_argument("--exclude", action="append", metavar="REGEX",
-                   help="leave modules matching this pattern (relative to a layer, e.g. 'self_attn') in floating "
-                        "point; repeatable")
-    offload = default(PipelineConfig, "offload")
-    r.add_argument("--offload", choices=OFFLOADS, default=offload,
-                   help="where decoder layers wait while another is processed: none (where they are loaded), cpu "
-                        f"(host memory), disk (one file per layer: host memory holds one layer) (default: {offload})")
-    r.add_argument("--offload-dir", metavar="DIR",
-                   help="folder of the layer files of --offload disk (default: OUT.jgptq-work/offload)")
-    r.add_argument("--device-budget", metavar="SIZE",
-                   help="bytes the run may place on the device, e.g. 40GB: checked against each layer's estimated "
-                        "need before any work; a MoE layer over it has its routed experts calibrated and solved a "
-                        "chunk at a time (default: no check; on a GPU, chunks as its free memory needs)")
+    add_options(r, "hessian_dtype", "exclude", "offload", "offload_dir", "device_budget")
     r.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     r.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model folder's own Python code to run (off unless given)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing output")
     r.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="continue a killed run from its last finished layer (default: on)")
-    r.add_argument("--quiet", action="store_true", help="no progress bars or messages")
+    add_options(r, "progress")
     _traceback_option(r)
 
     bits = default(QuantConfig, "bits")

@@ -167,3 +167,33 @@ def test_the_quantize_options_are_the_ones_they_always_were():
     assert found == OPTIONS
     for action in quantize._actions:   # every option says what it does
         assert action.help, action.option_strings
+
+
+def test_every_declared_option_is_on_the_command_line_once_and_messages_name_it():
+    from jgptq.options import declared, flag_of
+    from jgptq.surface import command_line, option
+
+    quantize = build_parser()._subparsers._group_actions[0].choices["quantize"]
+    flags = [s for a in quantize._actions for s in a.option_strings]
+    paths = declared()
+    assert len(paths) == 26 and "quant.bits" in paths and "moe.min_tokens" in paths
+    for path in paths:
+        name = path.rsplit(".", 1)[-1]
+        assert flags.count(flag_of(name).name) == 1, path
+        with command_line():
+            assert option(name, 3).split()[0] == flag_of(name).name
+        assert option(name, 3) == f"{name}=3"
+    with command_line():
+        assert (option("max_length", 512), option("exclude"), option("device", "cpu")) == (
+            "--seq-len 512", "--exclude REGEX", "--device cpu")
+        with pytest.raises(KeyError):
+            option("keep_hessians", True)   # a field with no option: no flag to name
+
+
+def test_a_rule_that_is_not_regex_equals_format_is_refused_naming_the_option():
+    from jgptq.options import CommandError, format_rules
+
+    assert format_rules(["a=b=q8_0", "v_proj$=q6_k"]) == (("a=b", "q8_0"), ("v_proj$", "q6_k"))
+    for bad in ("v_proj", "=q8_0", "v_proj="):
+        with pytest.raises(CommandError, match="--tensor-format .*expected REGEX=FORMAT"):
+            format_rules([bad])
