@@ -2,11 +2,12 @@
 
 - :func:`find_decoder_layers`: the list of decoder layers (the ``ModuleList`` whose members are the classes the
   model names in ``_no_split_modules``).
-- :func:`layer_targets`: the weights of one decoder layer to quantize: ``nn.Linear`` modules and fused experts
+- :func:`layer_targets`: the weights of one decoder layer to quantize: ``nn.Linear`` modules, fused experts
   modules (those decorated with transformers' ``use_experts_implementation``, which describe their own layout with
-  the ``is_transposed`` / ``is_concatenated`` / ``has_gate`` / ``has_bias`` flags). Routers, embeddings and the
-  output head are never targets.
-- :class:`ExpertsLayout`: the nn.Linear-orientation (out, in) view of every expert's fused weights.
+  the ``is_transposed`` / ``is_concatenated`` / ``has_gate`` / ``has_bias`` flags) and experts stacks that are
+  modules of their own (:data:`STACKED_EXPERTS`). Routers, embeddings and the output head are never targets.
+- :class:`ExpertsLayout`: the nn.Linear-orientation (out, in) view of every expert's fused weights;
+  :class:`StackLayout`: the same for a single stack.
 - :func:`checkpoint_names`: where each row of a target lands in a checkpoint written by ``save_pretrained``
   (fused experts are split into per-expert names by transformers' own reverse weight conversion).
 
@@ -30,19 +31,17 @@ class UnsupportedModelError(ValueError):
 # Relative names (inside a decoder layer) of linear modules that route rather than transform: quantizing them
 # changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
 ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$",
-                   r"(^|\.)gate\.wg$")   # HunYuan's router: a Linear ``wg`` inside its gate module
+                   r"(^|\.)gate\.wg$",    # HunYuan's router: a Linear ``wg`` inside its gate module
+                   r"(^|\.)router\.layer$")   # JetMoe's: a Linear ``layer`` inside its router module
 
 # Undispatched experts whose inputs jgptq reads (``pipeline.prescaled_capture``): layout flags and their router's
 # attribute in the parent. Llama 4: every token reaches every expert pre-scaled by its routing score (0 off top-k).
-PRESCALED_EXPERTS = {
-    "Llama4TextExperts": {"flags": {"is_transposed": True}, "router": "router"},
-}
+PRESCALED_EXPERTS = {"Llama4TextExperts": {"flags": {"is_transposed": True}, "router": "router"}}
 
-# Expert classes jgptq refuses, with the reason.
-UNDISPATCHED_EXPERTS = {"JetMoeParallelExperts": (
-    "JetMoe's parallel experts are single stacks of E matrices (an input or an output projection; in the attention "
-    "mixture the two are separated by attention), not a gate/up and down pair of one experts module, which is the "
-    "only expert target jgptq solves and writes back")}
+# Stacks of E matrices, a module each, given rows sorted by expert and the rows per expert (read by
+# ``pipeline.stacked_capture``; JetMoe's MLP and attention experts): the parent's router attribute, and where its
+# output tuple holds each sorted row's token, its routing weight and the rows per expert.
+STACKED_EXPERTS = {"JetMoeParallelExperts": {"router": "router", "tokens": 1, "weights": 2, "sizes": 3}}
 
 # Flags set by ``use_experts_implementation`` and their values when an older transformers does not set them.
 FLAG_DEFAULTS = {"is_transposed": False, "is_concatenated": True, "has_gate": True, "has_bias": False,
@@ -54,6 +53,11 @@ def flag(module, name: str) -> bool:
     when the installed transformers does not set it)."""
     listed = PRESCALED_EXPERTS.get(type(module).__name__, {}).get("flags", {})
     return bool(getattr(module, name, listed.get(name, FLAG_DEFAULTS[name])))
+
+
+def is_stacked(module: nn.Module) -> bool:
+    """True for an experts stack of :data:`STACKED_EXPERTS` (one 3-D ``weight``, its forward given sorted rows)."""
+    return type(module).__name__ in STACKED_EXPERTS
 
 
 def is_prescaled(module: nn.Module) -> bool:
@@ -149,6 +153,43 @@ class ExpertsLayout:
             return slice(0, self.inter), slice(self.inter, 2 * self.inter)
         return slice(0, 2 * self.inter, 2), slice(1, 2 * self.inter, 2)
 
+    def matrices(self, name: str, module: nn.Module) -> list:
+        """The :class:`Matrix` targets of experts module ``name``: its up (gate/up) and down projections."""
+        return [Matrix(f"{name}.{self.up_name}", "expert_gate_up", self.up_rows, self.hidden, self.num_experts,
+                       self.transposed, name, (name, "gate_up"), module, self),
+                Matrix(f"{name}.down_proj", "expert_down", self.hidden, self.inter, self.num_experts,
+                       self.transposed, name, (name, "down"), module, self)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackLayout:
+    """An experts stack that is a module of its own (:data:`STACKED_EXPERTS`): one 3-D parameter ``weight``
+    (E, out, in) in nn.Linear orientation, each expert's matrix solved on the rows routed to it.
+
+    Attributes:
+      num_experts, rows, cols: E, out, in.
+    """
+
+    num_experts: int
+    rows: int
+    cols: int
+    transposed: bool = False
+
+    @classmethod
+    def of(cls, module: nn.Module) -> StackLayout:
+        w = getattr(module, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.ndim != 3:
+            raise UnsupportedModelError(f"{type(module).__name__}: expected a 3-D parameter 'weight' (E, out, in)")
+        return cls(*w.shape)
+
+    def linear(self, param: torch.Tensor) -> torch.Tensor:
+        return param   # stored (E, out, in)
+
+    def matrices(self, name: str, module: nn.Module) -> list:
+        """The one :class:`Matrix` of stack ``name``."""
+        return [Matrix(f"{name}.weight", "expert_stack", self.rows, self.cols, self.num_experts, False, name,
+                       (name, "weight"), module, self)]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Matrix:
@@ -156,15 +197,17 @@ class Matrix:
     or one fused parameter of an experts module (a stack of E matrices).
 
     Attributes:
-      name: relative to the decoder layer: ``self_attn.q_proj`` (a linear module) or ``mlp.experts.down_proj``.
-      kind: ``"linear"``, ``"expert_gate_up"`` or ``"expert_down"``.
+      name: relative to the decoder layer: ``self_attn.q_proj`` (a linear module), ``mlp.experts.down_proj`` or
+        ``mlp.input_linear.weight`` (a stack).
+      kind: ``"linear"``, ``"expert_gate_up"``, ``"expert_down"`` or ``"expert_stack"``.
       rows, cols: one matrix's (out, in) shape in nn.Linear orientation.
       experts: E for a fused experts parameter, None for a linear module.
       transposed: the parameter is stored (E, in, out).
       module_name: the module holding it (``self_attn.q_proj``, ``mlp.experts``).
-      hessian_key: the capture's key of its Hessian (a linear's module name, or (experts module, ``"gate_up"`` or
-        ``"down"``)).
-      module: the nn.Linear or the experts module; layout: the experts' :class:`ExpertsLayout` (None for linear).
+      hessian_key: the capture's key of its Hessian (a linear's module name, or (experts module, ``"gate_up"``,
+        ``"down"`` or ``"weight"``)).
+      module: the nn.Linear or the experts module; layout: the experts' :class:`ExpertsLayout` or
+        :class:`StackLayout` (None for linear).
     """
 
     name: str
@@ -205,33 +248,31 @@ class LayerTargets:
     """The quantization targets of one decoder layer (names relative to the layer)."""
 
     linears: dict          # name -> nn.Linear
-    experts: dict          # name -> (module, ExpertsLayout)
+    experts: dict          # name -> (module, ExpertsLayout or StackLayout)
     skipped: list          # names of parameters left in floating point, with the reason
     dropped: frozenset = frozenset()   # relative names of matrices left out by the plan
 
     def matrices(self) -> list:
         """Every target :class:`Matrix` of the layer: linear modules in module order, then each experts
-        module's up (gate/up) and down projections. The single walk of a layer's matrices."""
+        module's up (gate/up) and down projections, or a stack's one. The single walk of a layer's matrices."""
         out = [Matrix(n, "linear", m.out_features, m.in_features, None, False, n, n, m)
                for n, m in self.linears.items()]
         for n, (module, lay) in self.experts.items():
-            out.append(Matrix(f"{n}.{lay.up_name}", "expert_gate_up", lay.up_rows, lay.hidden, lay.num_experts,
-                              lay.transposed, n, (n, "gate_up"), module, lay))
-            out.append(Matrix(f"{n}.down_proj", "expert_down", lay.hidden, lay.inter, lay.num_experts,
-                              lay.transposed, n, (n, "down"), module, lay))
+            out += lay.matrices(n, module)
         return [m for m in out if m.name not in self.dropped]
 
     def without(self, names: set, reason: str = "excluded") -> "LayerTargets":
         """These targets less the matrices named in ``names`` (relative names): a linear module leaves; an
-        experts module leaves when both of its matrices do (its calibration is still needed otherwise)."""
+        experts module leaves when all of its matrices do (its calibration is still needed otherwise)."""
         if not names:
             return self
         linears = {n: m for n, m in self.linears.items() if n not in names}
         experts, skipped = {}, list(self.skipped) + [(n, reason) for n in self.linears if n in names]
         for n, (module, lay) in self.experts.items():
-            mine = {f"{n}.{lay.up_name}", f"{n}.down_proj"} & names
+            own = {m.name for m in lay.matrices(n, module)}
+            mine = own & names
             skipped += [(m, reason) for m in sorted(mine)]
-            if len(mine) < 2:
+            if len(mine) < len(own):
                 experts[n] = (module, lay)
         return LayerTargets(linears, experts, skipped, self.dropped | frozenset(names))
 
@@ -247,7 +288,7 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
       layer: a decoder layer.
       exclude: extra regular expressions over relative module names to leave unquantized.
     Raises:
-      UnsupportedModelError: a 3-D (or higher) weight outside a dispatchable experts module.
+      UnsupportedModelError: a 3-D (or higher) weight outside a dispatchable experts module or a stack.
     """
     linears, experts, skipped = {}, {}, []
     inside = []
@@ -255,15 +296,12 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
         if any(name == p or name.startswith(p + ".") for p in inside):
             continue
         cls = type(module).__name__
-        if cls in UNDISPATCHED_EXPERTS:
-            raise UnsupportedModelError(f"{name} ({cls}): {UNDISPATCHED_EXPERTS[cls]}; jgptq cannot quantize "
-                                        f"these experts")
-        if is_experts_module(module):
+        if is_experts_module(module) or is_stacked(module):
             inside.append(name)
             if any(re.search(p, name) for p in exclude):
                 skipped.append((name, "excluded"))
                 continue
-            experts[name] = (module, ExpertsLayout.of(module))
+            experts[name] = (module, (StackLayout if is_stacked(module) else ExpertsLayout).of(module))
             continue
         if isinstance(module, nn.Linear):
             if _is_router(name):
@@ -360,41 +398,3 @@ def checkpoint_names(model: nn.Module, params: dict) -> dict:
     if missing:
         raise UnsupportedModelError(f"checkpoint names could not be derived for {sorted(missing)}")
     return names
-
-
-# Class-name fragments of the linear-attention (delta-rule / linear-RNN) mixers that transformers runs through its
-# slow pure-torch reference kernels unless the flash-linear-attention kernels (PyPI ``fla-core``) are importable.
-_LINEAR_ATTENTION = re.compile(r"(GatedDeltaNet|DeltaNet|DeltaAttention|LinearAttention|LightningAttention)")
-
-FLA_ADVICE = ("install the flash-linear-attention kernels with `pip install fla-core` (GPU only: with it installed, "
-              "CPU forwards of these models fail)")
-
-
-def linear_attention_modules(model: nn.Module) -> list[str]:
-    """Class names of the model's linear-attention mixers (empty for models with softmax attention only)."""
-    return sorted({type(m).__name__ for m in model.modules() if _LINEAR_ATTENTION.search(type(m).__name__)})
-
-
-def slow_linear_attention(model: nn.Module, device) -> str | None:
-    """A warning when calibrating ``model`` on ``device`` would run transformers' slow linear-attention kernels.
-
-    Linear-attention models (Qwen3-Next, Qwen3.5, GLM-5 Next, Kimi Linear, OLMo Hybrid, ...) fall back to
-    token-by-token reference implementations in torch when the ``fla`` package is missing; on a GPU that makes
-    the calibration forward the slowest stage by far. Returns None when there is nothing to say: no such layers,
-    a CPU run (the fast kernels are GPU-only), or the kernels are available.
-    """
-    names = linear_attention_modules(model)
-    if not names or torch.device(device).type == "cpu":
-        return None
-    try:
-        from transformers.utils.import_utils import is_flash_linear_attention_available
-    except ImportError:  # older transformers: look for the package itself
-        import importlib.util
-
-        def is_flash_linear_attention_available():
-            return importlib.util.find_spec("fla") is not None
-    if is_flash_linear_attention_available():
-        return None
-    return (f"{type(model).__name__} has linear-attention layers ({', '.join(names)}) and the flash-linear-attention "
-            f"kernels are not importable: transformers will run its slow reference kernels for every calibration "
-            f"and replay forward; {FLA_ADVICE}")

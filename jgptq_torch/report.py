@@ -33,11 +33,12 @@ def format_bytes(n: float) -> str:
 
 @dataclasses.dataclass
 class ModuleRecord:
-    """One solved matrix: a linear module, or one expert's fused gate/up or down projection."""
+    """One solved matrix: a linear module, one expert's fused gate/up or down projection, or one expert of a
+    stack that is a module of its own."""
 
     name: str
     layer: int
-    kind: str                    # "linear" | "expert_gate_up" | "expert_down"
+    kind: str                    # "linear" | "expert_gate_up" | "expert_down" | "expert_stack"
     shape: tuple
     tokens: int
     method: str                  # "gptq" | "rtn"

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from jgptq_torch import models
+from jgptq_torch import linear_attention as models
 
 transformers = pytest.importorskip("transformers")
 

@@ -75,7 +75,8 @@ def estimate_need(parameters: int, activations: int, matrices, all_experts: bool
 
     Args:
       matrices: ``(count, rows, cols, kind)`` of each target (:class:`jgptq_torch.models.Matrix`: ``count`` stacked
-        matrices of (rows, cols); ``kind`` ``"linear"``, ``"expert_gate_up"`` or ``"expert_down"``).
+        matrices of (rows, cols); ``kind`` ``"linear"``, ``"expert_gate_up"``, ``"expert_down"`` or
+        ``"expert_stack"``).
       all_experts: one gate/up Hessian shared by all experts (calibration ``"all_experts"``) instead of one each.
     Returns:
       float32 bytes: one Hessian (cols x cols) per matrix (one for a whole gate/up stack with ``all_experts``);

@@ -11,6 +11,10 @@ The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian
   with ``model.set_experts_implementation`` (:mod:`jgptq_torch.pipeline.experts_capture`): it computes the layer output like
   the eager loop and hands each expert's gate/up input rows and down input rows to the active :class:`Collector`.
 
+Experts that transformers does not dispatch reach the same collector from hooks on their unchanged forwards: Llama
+4's (:mod:`jgptq_torch.pipeline.prescaled_capture`) and stacks of E matrices that are modules of their own, JetMoe's
+(:mod:`jgptq_torch.pipeline.stacked_capture`).
+
 A collector made with ``span=(lo, hi)`` keeps the experts' statistics of experts ``lo <= e < hi`` only (entry
 ``e - lo`` of their stacks): a chunk of a layer's routed experts (:mod:`jgptq_torch.pipeline.expert_chunks`). It
 groups only those experts; each expert's statistics are still the same bytes as a collector of every expert's,
@@ -85,11 +89,13 @@ class Collector:
 
     Keys: a linear module's key is the name of the first module that received the same input tensor (its tie
     leader); experts modules have stacked states ``(name, "gate_up")`` and ``(name, "down")`` with one entry per
-    expert (``(name, "gate_up")`` is a single state for a statistic that sees every token, ``all_experts``).
+    expert (``(name, "gate_up")`` is a single state for a statistic that sees every token, ``all_experts``); an
+    experts stack of its own module has one, ``(name, "weight")`` (:meth:`stack_inputs`).
 
     Args:
       linears: relative name -> nn.Linear.
-      experts: relative name -> (module, :class:`jgptq_torch.models.ExpertsLayout`).
+      experts: relative name -> (module, :class:`jgptq_torch.models.ExpertsLayout` or
+        :class:`jgptq_torch.models.StackLayout`).
       statistics: name -> :class:`jgptq.statistics.Statistic` (default :func:`jgptq.statistics.calibration`: the
         float32 Hessian sum and the importance statistic).
       span: (lo, hi): the experts' statistics keep experts ``lo <= e < hi`` only, as entries ``e - lo`` (None: all).
@@ -256,18 +262,33 @@ class Collector:
         name = self._module_names.get(id(module))
         if name is None:
             return
+        n_exp, keep = self._count_routed(name, tok, counts)
+        for part, rows in (("gate_up", x), ("down", h)):
+            self._add_grouped((name, part), rows, counts, keep, n_exp,
+                              f"{name} {'gate/up' if part == 'gate_up' else part}", weights)
+
+    def stack_inputs(self, module, x: torch.Tensor, tok: torch.Tensor, counts: list, weights: torch.Tensor = None):
+        """Called once per forward of an experts stack (:class:`jgptq_torch.models.StackLayout`) with the rows it
+        multiplies: x (R, C) sorted by expert (``counts[e]`` rows each), their token ids ``tok`` (R,) and routing
+        weights ``weights`` (R,) (None: 1). Its one state is ``(name, "weight")``."""
+        name = self._module_names.get(id(module))
+        if name is None:
+            return
+        n_exp, keep = self._count_routed(name, tok, counts)
+        self._add_grouped((name, "weight"), x, counts, keep, n_exp, name, weights)
+
+    def _count_routed(self, name: str, tok: torch.Tensor, counts: list) -> tuple:
+        """Adds the non-padding rows of each expert to :attr:`routed`; returns (E, the rows' keep mask or None)."""
         n_exp = self.experts[name][1].num_experts
         keep = None if self._keep is None else self._keep[tok]
         real = list(counts)
         if keep is not None:
-            count_t = torch.as_tensor(counts, device=x.device)
-            expert = torch.repeat_interleave(torch.arange(n_exp, device=x.device), count_t)
-            real = torch.zeros(n_exp, dtype=torch.long, device=x.device).index_add_(0, expert, keep.long()).tolist()
+            count_t = torch.as_tensor(counts, device=tok.device)
+            expert = torch.repeat_interleave(torch.arange(n_exp, device=tok.device), count_t)
+            real = torch.zeros(n_exp, dtype=torch.long, device=tok.device).index_add_(0, expert, keep.long()).tolist()
         for e, n in enumerate(real):
             self.routed[name][e] += n
-        for part, rows in (("gate_up", x), ("down", h)):
-            self._add_grouped((name, part), rows, counts, keep, n_exp,
-                              f"{name} {'gate/up' if part == 'gate_up' else part}", weights)
+        return n_exp, keep
 
     def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str, weights=None):
         """Experts with about as many rows are padded to the same rows per slot and added together, one group of

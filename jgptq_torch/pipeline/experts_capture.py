@@ -184,26 +184,31 @@ def _register():
 @contextlib.contextmanager
 def experts_implementation(model):
     """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
-    choice (a no-op for a model without dispatchable experts). Experts that transformers does not dispatch
-    (:data:`jgptq_torch.models.PRESCALED_EXPERTS`) report their routed inputs through
-    :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture` for the same block."""
+    choice (nothing to select for a model without dispatchable experts). Experts that transformers does not
+    dispatch report their routed inputs for the same block: those of :data:`jgptq_torch.models.PRESCALED_EXPERTS`
+    through :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture`, experts stacks
+    (:data:`jgptq_torch.models.STACKED_EXPERTS`) through
+    :func:`jgptq_torch.pipeline.stacked_capture.stacked_capture`."""
     from jgptq_torch.pipeline.prescaled_capture import prescaled_capture
+    from jgptq_torch.pipeline.stacked_capture import stacked_capture
 
     kinds = {models.is_prescaled(m) for m in model.modules() if models.is_experts_module(m)}
-    if kinds == {True}:                       # only undispatched experts: nothing to select
-        with prescaled_capture(model):
+    with contextlib.ExitStack() as undispatched:
+        undispatched.enter_context(stacked_capture(model))
+        if True in kinds:
+            undispatched.enter_context(prescaled_capture(model))
+        if False not in kinds:                # nothing for transformers' experts interface to dispatch
             yield
-        return
-    if not hasattr(model, "set_experts_implementation"):
-        raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
-                                    f"a transformers release with the experts interface is needed")
-    _register()
-    getter = getattr(model, "get_experts_implementation", None)
-    previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
-    model.set_experts_implementation(IMPLEMENTATION)
-    try:
-        with prescaled_capture(model) if True in kinds else contextlib.nullcontext():
+            return
+        if not hasattr(model, "set_experts_implementation"):
+            raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
+                                        f"a transformers release with the experts interface is needed")
+        _register()
+        getter = getattr(model, "get_experts_implementation", None)
+        previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
+        model.set_experts_implementation(IMPLEMENTATION)
+        try:
             yield
-    finally:
-        if previous is not None and previous != {"": None}:
-            model.set_experts_implementation(previous)
+        finally:
+            if previous is not None and previous != {"": None}:
+                model.set_experts_implementation(previous)

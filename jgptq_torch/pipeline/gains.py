@@ -15,6 +15,7 @@ quadratic form is the one of the KL to the float model, not of the data's likeli
 gradients; only the activations do. Experts: the gradient reaching expert ``e``'s down projection on a token is
 its routing weight times the gradient of the experts module's output; the one reaching its gate/up projection is
 computed by running that expert's forward again under autograd. Expert biases are left out of that forward.
+An experts stack that is a module of its own (JetMoe's) gets the gradient of its own output rows, expert by expert.
 
 The pass runs the whole model forward and backward on each batch, where the model is
 (:mod:`jgptq_torch.pipeline.sensitivity` first brings a model held in host memory to the run's CUDA device when it takes at
@@ -64,9 +65,32 @@ def _gate_up_grad(module, layout, e: int, x: torch.Tensor, g_y: torch.Tensor) ->
     return grad
 
 
+def _on_stack(sums: _Sums, state: dict, routing, param: str, n_exp: int):
+    """The forward hook of an experts stack (:class:`jgptq_torch.models.StackLayout`): the gradient reaching its
+    output rows, each expert's rows apart (padding tokens left out by the rows' tokens)."""
+    from jgptq_torch.pipeline.stacked_capture import stack_arguments
+
+    def hook(mod, args, kwargs, out):
+        x, sizes = stack_arguments(mod, args, kwargs)
+        tok, _, counts = routing.rows(mod, x, sizes)
+        keep = state["keep"]
+        kept = torch.ones(tok.shape, dtype=torch.bool) if keep is None else keep.to(tok.device)[tok]
+
+        def on_grad(g):
+            g2 = g.detach().float().reshape(-1, g.shape[-1]) ** 2
+            for e, (rows, k) in enumerate(zip(g2.split(counts), kept.to(g2.device).split(counts))):
+                if bool(k.any()):
+                    sums.add(param, e, n_exp, float(rows[k].sum()), rows[k].numel())
+        if out.requires_grad:
+            out.register_hook(on_grad)
+    return hook
+
+
 @contextlib.contextmanager
 def _hooks(layers, found, prefix: str, sums: _Sums, state: dict):
-    handles, pending = [], []
+    from jgptq_torch.pipeline.stacked_capture import Routing
+
+    handles, pending, routing = [], [], Routing()
     for i, (layer, target) in enumerate(zip(layers, found)):
         base = f"{prefix}.{i}"
         for name, module in target.linears.items():
@@ -83,6 +107,12 @@ def _hooks(layers, found, prefix: str, sums: _Sums, state: dict):
                     out.register_hook(on_grad)
             handles.append(module.register_forward_hook(on_linear))
         for name, (module, layout) in target.experts.items():
+            if isinstance(layout, models.StackLayout):
+                routing.watch(layer.get_submodule(name.rpartition(".")[0]), f"{base}.{name}", module)
+                handles.append(module.register_forward_hook(
+                    _on_stack(sums, state, routing, f"{base}.{name}.weight", layout.num_experts), with_kwargs=True))
+                continue
+
             def on_experts(mod, args, kwargs, out, name=name, layout=layout, base=base):
                 hidden, index, weights = (list(args) + [kwargs.get(k) for k in
                                                         ("hidden_states", "top_k_index", "top_k_weights")
@@ -97,6 +127,7 @@ def _hooks(layers, found, prefix: str, sums: _Sums, state: dict):
     finally:
         for h in handles:
             h.remove()
+        routing.close()
 
 
 def _expert_sums(sums: _Sums, pending: list) -> None:

@@ -14,7 +14,7 @@ import warnings
 from jgptq_torch.pipeline import calib as calib_mod
 from jgptq_torch.pipeline import float_stream
 from jgptq_torch.pipeline import importance
-from jgptq_torch import models
+from jgptq_torch import linear_attention, models
 from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.report import QuantizeResult, Report
@@ -76,7 +76,7 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
              for i, t in enumerate(targets) for m in t.matrices()}
     names = models.checkpoint_names(model, specs)
     run_device = offload_mod.run_device(device, layers[0])
-    slow = models.slow_linear_attention(model, run_device)
+    slow = linear_attention.slow_linear_attention(model, run_device)
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     placement = offload_mod.Placement(model, layers, cfg, run_device, source=source)
     # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set

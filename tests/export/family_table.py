@@ -56,9 +56,7 @@ ROWS = {
     "phimoe": Row(YES, FAILS, REFUSED,
                   "compressed-tensors: transformers' loader quantizes the router (a Linear subclass) the export "
                   "leaves in floating point, and the load fails; GGUF: llama.cpp's phimoe routes differently"),
-    "jetmoe": Row(REFUSED, "—", REFUSED,
-                  "parallel experts are single stacks of E matrices (in the attention mixture separated by "
-                  "attention); no llama.cpp architecture"),
+    "jetmoe": Row(YES, REFUSED, REFUSED, "compressed-tensors: " + _FUSED + "; GGUF: no llama.cpp architecture"),
 }
 
 COLUMNS = ("transformers `model_type`", "`quantize_moe`", "compressed-tensors, reloaded by transformers",
