@@ -12,15 +12,14 @@ the fixed matrices with their sizes, and for every free matrix its candidates (:
 each with its exact size and the plan the first pass solves it with. The reach check, the line that says what the
 pass will do, the measurement and the allocation all read it.
 
-Measure (:func:`measure`). The float model runs layer by layer, as the pipeline does, but each layer's outputs
-come from its float weights (the calibration forward's own outputs), so every layer is measured against float
-inputs and no candidate's error leaks into another layer's figures. For each layer, its matrices are solved under
-every candidate format (one :func:`jgptq.bucket.quantize_bucket` call per candidate and shape: all experts at
-once) and each matrix's cost is ``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2``: the GPTQ objective of the solved
-weight ``Q`` on its Hessian ``H = 2/N sum x x^T`` (the mean squared output error over the tokens it saw), times
-``s``, the share of the layer's calibration tokens it saw (experts: their routed tokens), times its gain ``G``
-(:mod:`jgptq_torch.pipeline.gains`; 1 with ``target_gain="one"``). With the Fisher gain the sum over all matrices is a
-second-order estimate of the mean next-token KL to the float model, reported as ``predicted_objective``.
+Measure (:func:`jgptq_torch.pipeline.measure.measure`). The float model runs layer by layer on float inputs and
+every free matrix is solved under every candidate; each matrix's cost is ``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2``:
+the GPTQ objective of the solved weight ``Q`` on its Hessian ``H = 2/N sum x x^T`` (the mean squared output error
+over the tokens it saw), times ``s``, the share of the layer's calibration tokens it saw (experts: their routed
+tokens), times its gain ``G`` (:mod:`jgptq_torch.pipeline.gains`; 1 with ``target_gain="one"``). With the Fisher
+gain the sum over all matrices is a second-order estimate of the mean next-token KL to the float model, reported as
+``predicted_objective``. Experts' costs are estimated from a sample of their rows (the trace is a sum over rows),
+other matrices are solved whole; the measure module says how and what that costs in quality.
 
 Allocate (:func:`choose`). Sizes are exact (:func:`jgptq.allocate.tensor_bits`); the budget is
 ``floor(target_bpw * weights)`` bits over every decoder-layer target (fixed ones included); the groups get their
@@ -41,22 +40,16 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
 from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
-from jgptq import statistics
-from jgptq.objective import hessian_loss
 from jgptq.surface import on_command_line, option
 from jgptq_torch import models
-from jgptq_torch.pipeline import capture, importance, run_setup
-from jgptq_torch.pipeline.calibrate import calibrate
-from jgptq_torch.pipeline.inputs import capture_inputs
-from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
-from jgptq_torch.progress import LayerProgress
+from jgptq_torch.pipeline import capture, run_setup
+from jgptq_torch.pipeline import measure as measure_mod
+from jgptq_torch.pipeline.measure import measure
 
 ALLOCATION_FILE = "allocation.json"
 
@@ -128,60 +121,6 @@ def _layout(cfg, prefix: str, layers) -> Layout:
                 f: Candidate(alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant),
                              plan_mod.plan_matrix(cfg, target, len(layers), 0, candidate=f)[0]) for f in names})
     return Layout(free, fixed, weights)
-
-
-@jax.jit
-def _output_error(weight, solved, hessian):
-    """tr((W - Q) H (W - Q)^T) / 2 per matrix: (n,) float32 of (n, R, C) weights and (C, C) or (n, C, C) H."""
-    return hessian_loss(weight, solved, hessian, fixed_order=False) / 2
-
-
-def _costs(run, collector, free: dict, gains: dict, solved: list) -> dict:
-    """param -> float64 (count,) costs of the solved matrices (module docstring)."""
-    total = max(collector.batch_tokens, 1)
-    out = {}
-    for m, param, stack, res in solved:
-        if stack.hessian is None:
-            out[param] = np.zeros(m.count)
-            continue
-        tr = np.asarray(_output_error(stack.weight, res.weight, jnp.asarray(stack.hessian)), np.float64)
-        seen = collector.routed.get(m.module_name) if m.layout is not None else stack.tokens
-        share = np.asarray(seen, np.float64) / total
-        gain = gains.get(param, np.ones(m.count)) if gains is not None else np.ones(m.count)
-        out[param] = 0.5 * gain * share * tr
-    return out
-
-
-def measure(run, free: dict, gains) -> dict:
-    """param -> {format: float64 (count,) costs}: every free matrix (``free``: :attr:`Layout.free`) solved under
-    each of its candidates' plans, layer by layer on float inputs (module docstring). ``run``: a
-    :class:`jgptq_torch.pipeline.run_setup.Run` of a probe config."""
-    cfg, placement, report = run.cfg, run.placement, run.report
-    placement.prepare()
-    hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
-    costs: dict = {}
-    for i in LayerProgress(0, len(run.layers), enabled=cfg.progress, desc="jgptq target_bpw pass", eta=True):
-        t0 = time.perf_counter()
-        layer = placement.fetch(i)
-        target = run.targets[i]
-        collector, outputs = calibrate(layer, i, target, statistics.of_config(cfg), hidden, layer_inputs,
-                                       run.batch_list, keep_outputs=True)
-        base = f"{run.prefix}.{i}"
-        stats = importance.layer_imatrix(collector, run.prefix, i, target)
-        stacks = [s for s in layer_stacks(collector, target, base, run.plan, cfg, stats if run.given is None
-                                          else run.given) if s[1] in free]
-        threshold = cfg.moe.threshold(collector.batch_tokens)
-        for fmt in sorted({f for _, p, _ in stacks for f in free[p].candidates}):
-            chosen = [s for s in stacks if fmt in free[s[1]].candidates]
-            plan = plan_mod.Plan({p: free[p].candidates[fmt].plan for _, p, _ in chosen}, {}, [], [])
-            for param, c in _costs(run, collector, free, gains, solve_layer(chosen, plan, threshold,
-                                                                            devices=run.devices)).items():
-                costs.setdefault(param, {})[fmt] = c
-        collector.release()
-        placement.put_back(i)
-        hidden = outputs
-        report.add_time(i, "sensitivity", time.perf_counter() - t0)
-    return costs
 
 
 def allocation_of(cfg, free: dict, fixed: dict, weights: int, costs: dict, gains) -> dict:
@@ -267,18 +206,24 @@ def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
     _refuse_below(cfg.target_bpw, budget, weights, least, cheapest, bool(fixed))
 
 
-def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int) -> str:
+def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
+              stride: int = measure_mod.EXPERT_ROW_STRIDE) -> str:
     """What the first pass of a ``target_bpw`` run is about to do, and its cost in solves, as one line: the
-    number of candidate formats, the solves (each free matrix stack once per candidate: the normal run solves
-    each once) and the range the candidates reach."""
+    number of candidate formats, the solves (each free matrix stack once per candidate, experts on a sample of
+    their rows: :func:`jgptq_torch.pipeline.measure.row_stride`), their work in solved rows against the run that
+    follows (which solves each stack once, whole) and the range the candidates reach."""
     least, most, _, _ = reachable(free, fixed, weights)
     formats = sorted({f for *_, names in free.values() for f in names},
                      key=lambda f: (alloc.tensor_bits(f, 1, 256, 1, cfg.quant), f))
     solves = sum(len(names) for *_, names in free.values())
+    strides = sorted({measure_mod.row_stride(m, group, stride) for _, group, m, _ in free.values()} - {1}
+                     if stride else set())
+    rows = "" if not strides else f", experts on one row in {strides[0]}" + (
+        f"-{strides[-1]}" if len(strides) > 1 else "")
     return (f"jgptq: {option('target_bpw', float(cfg.target_bpw))}: a first pass solves every layer under each of "
             f"{len(formats)} candidate formats ({', '.join(formats)}): {solves} matrix stacks over {n_layers} "
-            f"layers, about {solves / max(len(free), 1):.1f} times the work of the run that follows; the "
-            f"candidates reach {least / weights:.4g} .. {most / weights:.4g} bits per weight")
+            f"layers{rows}, about {measure_mod.work_ratio(free, stride):.1f} times the rows the run that follows "
+            f"solves; the candidates reach {least / weights:.4g} .. {most / weights:.4g} bits per weight")
 
 
 @contextlib.contextmanager
@@ -304,7 +249,7 @@ def _on_run_device(model, device):
 
 def target_weights(model) -> int:
     """Weights of every decoder-layer target matrix of ``model`` (what ``target_bpw`` is counted over)."""
-    prefix, layers = models.find_decoder_layers(model)
+    _, layers = models.find_decoder_layers(model)
     return sum(m.count * m.rows * m.cols for t in map(models.layer_targets, layers) for m in t.matrices())
 
 
@@ -314,10 +259,12 @@ def assignment_of(allocation: dict) -> tuple:
 
 
 def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
-           resume: bool = True, imatrix=None) -> tuple:
+           resume: bool = True, imatrix=None, stride: int = measure_mod.EXPERT_ROW_STRIDE) -> tuple:
     """The first pass of a ``target_bpw`` run: (the config with its ``assignment``, the allocation record).
 
-    Args: as :func:`jgptq.quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``).
+    Args: as :func:`jgptq.quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``);
+      ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole;
+      :func:`jgptq_torch.pipeline.measure.measure`).
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
@@ -328,7 +275,7 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     layout = _layout(cfg, prefix, layers)
     _check_reachable(cfg, *layout)   # before any work
     if cfg.progress:
-        print(plan_line(cfg, *layout, len(layers)), file=sys.stderr, flush=True)
+        print(plan_line(cfg, *layout, len(layers), stride), file=sys.stderr, flush=True)
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
@@ -353,7 +300,7 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if any(
                 t.experts for t in run.targets) else contextlib.nullcontext()):
-            costs = measure(run, layout.free, gains)
+            costs = measure(run, layout.free, gains, stride=stride)
         failed = False
     finally:
         model.train(was_training)

@@ -86,8 +86,8 @@ def test_the_first_pass_says_what_it_will_do_before_it_starts(model_dir, tmp_pat
     assert code == 1 and lines[-1] == "jgptq: error: stopped at the gains"
     # 3 layers x (4 attention matrices + 2 expert stacks), each under the 5 candidates that fit widths 64 and 32
     assert ("jgptq: --target-bpw 5: a first pass solves every layer under each of 5 candidate formats (iq4_nl, "
-            "q4_0, q5_0, q5_1, q8_0): 90 matrix stacks over 3 layers, about 5.0 times the work of the run that "
-            "follows; the candidates reach 4.5 .. 8.5 bits per weight") in lines
+            "q4_0, q5_0, q5_1, q8_0): 90 matrix stacks over 3 layers, about 5.0 times the rows the run that "
+            "follows solves; the candidates reach 4.5 .. 8.5 bits per weight") in lines
 
 
 def test_option_names_follow_where_the_code_runs():

@@ -1,0 +1,224 @@
+"""The measurement of ``target_bpw``'s first pass: what every candidate format costs every free matrix.
+
+The float model runs layer by layer, as the pipeline does, but each layer's outputs come from its float weights
+(the calibration forward's own outputs), so every layer is measured against float inputs and no candidate's error
+leaks into another layer's figures. For each layer, its free matrices are solved under every candidate (the
+run's method and the candidate's plan, :func:`jgptq.bucket.quantize_bucket`) and each matrix's cost is
+``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2`` (:mod:`jgptq_torch.pipeline.sensitivity`).
+
+What is solved. GPTQ solves the rows of a matrix independently of each other given its Hessian (and a GGML block
+or an integer group lies within one row), so ``tr((W - Q) H (W - Q)^T)`` is a sum over rows and any set of rows
+gives an unbiased estimate of it. The rows of experts (a fused experts parameter, or the per-expert modules of an
+experts group) are most of a MoE layer's weights and every one of their groups holds many matrices: of each, one
+row in :func:`row_stride` (:data:`EXPERT_ROW_STRIDE`, less where the sample would not fill a chunk; evenly spaced,
+from an offset that differs between experts) is solved and its figure scaled by the rows over the sample. Other
+matrices (attention, shared experts, dense MLPs) are solved whole. ``stride=0`` measures exhaustively instead
+(:func:`whole_costs`: every matrix solved whole, as the run solves it); ``python -m benchmarks target_bpw_pass
+--reference`` compares the allocations of the two (``benchmarks/results/target_bpw_pass.json``).
+
+One program per candidate. The rows to solve are cut into chunks of :data:`CHUNK_ROWS` rows, each with its
+matrix's Hessian, token count and importance, and a layer's chunks of one candidate and width go through
+:func:`jgptq.bucket.quantize_bucket` :data:`CHUNKS_PER_CALL` at a time (the last call padded with repeats whose
+results are dropped), so one compiled program serves every matrix shape, layer and call of that candidate. The
+method's own choices are then made per chunk (GPTQ's guard against the plain GGML encoding keeps the lower of the
+two per chunk, not per matrix); a routed expert below the layer's token threshold gets the same fallback as in the
+run, and a linear module that saw any token is solved, as in the run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgptq import plan as plan_mod
+from jgptq import statistics
+from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
+from jgptq.objective import hessian_loss
+from jgptq_torch.pipeline import importance
+from jgptq_torch.pipeline.calibrate import calibrate
+from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
+from jgptq_torch.progress import LayerProgress
+
+EXPERT_ROW_STRIDE = 8   # one row in this many of every expert matrix is solved
+CHUNK_ROWS = 128        # rows of one solved chunk
+CHUNKS_PER_CALL = 8     # chunks of one quantize_bucket call
+
+
+def row_stride(matrix, group: str, stride: int = EXPERT_ROW_STRIDE) -> int:
+    """One row in how many of ``matrix`` is solved: 1 but for experts (a fused experts parameter, or a linear
+    module of an experts group; ``group``: its :func:`jgptq_torch.pipeline.sensitivity.group_name`), where it is
+    ``stride`` or less, so that every expert's sample fills at least one chunk of :data:`CHUNK_ROWS` rows."""
+    if matrix.layout is None and group == matrix.name:
+        return 1
+    return max(1, min(stride, matrix.rows // CHUNK_ROWS))
+
+
+def sampled(matrix, group: str) -> bool:
+    """Whether only a sample of ``matrix``'s rows is solved (:func:`row_stride` above 1)."""
+    return row_stride(matrix, group) > 1
+
+
+def measured_rows(rows: int, expert: int, stride: int) -> np.ndarray:
+    """int64 row indices solved of a (rows, C) matrix, expert ``expert`` of its stack: every row with ``stride``
+    1, else one in ``stride`` from offset ``expert % stride`` (all rows of a matrix shorter than the stride)."""
+    if stride == 1 or rows < stride:
+        return np.arange(rows)
+    return np.arange(expert % stride, rows, stride)
+
+
+class _Chunk(NamedTuple):
+    param: str
+    expert: int
+    rows: np.ndarray       # indices into the matrix's rows
+    weight: jax.Array      # (CHUNK_ROWS, C): the rows, padded with repeats of the last
+    hessian: object        # (C, C) or None
+    tokens: int
+    importance: object     # (C,) or None
+
+
+def _chunks(m, param: str, stack, stride: int, threshold: int) -> list:
+    """The chunks of one free matrix stack (module docstring)."""
+    out = []
+    weight = stack.weight
+    for e in range(m.count):
+        rows = measured_rows(m.rows, e, stride)
+        h = stack.hessian if stack.hessian is None or stack.hessian.ndim == 2 else stack.hessian[e]
+        tokens = int(stack.tokens[e])
+        if m.layout is None and tokens >= 1:   # a linear module is solved once reached (plan threshold 1)
+            tokens = max(tokens, threshold)
+        imp = None if stack.importance is None else stack.importance[e]
+        for start in range(0, len(rows), CHUNK_ROWS):
+            part = rows[start:start + CHUNK_ROWS]
+            padded = np.concatenate([part, np.full(CHUNK_ROWS - len(part), part[-1])])
+            out.append(_Chunk(param, e, part, weight[e][padded], h, tokens, imp))
+    return out
+
+
+@jax.jit
+def _row_errors(weight, solved, hessian):
+    """Per-row ``(W - Q) H (W - Q)^T / 2``: float32 (n, R) of (n, R, C) weights and (n, C, C) Hessians."""
+    with jax.default_matmul_precision("highest"):
+        d = solved.astype(jnp.float32) - weight.astype(jnp.float32)
+        return jnp.sum((d @ hessian) * d, axis=-1) / 2
+
+
+def _solve_chunks(chunks: list, plan, threshold: int, devices) -> np.ndarray:
+    """float64 (len(chunks), CHUNK_ROWS) per-row errors of the chunks solved under ``plan`` (module docstring)."""
+    out = []
+    for start in range(0, len(chunks), CHUNKS_PER_CALL):
+        part = chunks[start:start + CHUNKS_PER_CALL]
+        call = part + [part[-1]] * (CHUNKS_PER_CALL - len(part))
+        stacks = [Stack(f"{c.param}[{c.expert}]", c.weight[None], c.hessian, [c.tokens], f"{c.param}/{c.expert}",
+                        None if c.importance is None else jnp.asarray(c.importance)[None]) for c in call]
+        solved = quantize_bucket(stacks, plan, threshold=threshold, devices=devices)
+        hessians = jnp.stack([jnp.asarray(c.hessian, jnp.float32) for c in call])
+        errors = _row_errors(jnp.stack([c.weight for c in call]),
+                             jnp.concatenate([s.weight for s in solved]), hessians)
+        out.append(np.asarray(errors, np.float64)[:len(part)])
+    return np.concatenate(out)
+
+
+def _scale(collector, m, stack, gains, param) -> np.ndarray:
+    """float64 (count,) ``1/2 G s`` of a matrix stack (module docstring)."""
+    seen = collector.routed.get(m.module_name) if m.layout is not None else stack.tokens
+    gain = gains.get(param, np.ones(m.count)) if gains is not None else np.ones(m.count)
+    return 0.5 * np.asarray(gain, np.float64) * np.asarray(seen, np.float64) / max(collector.batch_tokens, 1)
+
+
+def layer_costs(collector, stacks: list, free: dict, gains, threshold: int, devices,
+                stride: int = EXPERT_ROW_STRIDE) -> dict:
+    """param -> {format: float64 (count,) costs} of one calibrated layer's free ``stacks`` ((Matrix, param,
+    Stack) triples), estimated from one row in ``stride`` of the experts (:func:`sampled`; module docstring)."""
+    out: dict = {}
+    jobs: dict = {}     # (format, plan, cols) -> chunks
+    scale = {}
+    for m, param, stack in stacks:
+        step = row_stride(m, free[param].group, stride)
+        scale[param] = _scale(collector, m, stack, gains, param)
+        if stack.hessian is None:
+            out[param] = {f: np.zeros(m.count) for f in free[param].candidates}
+            continue
+        chunks = _chunks(m, param, stack, step, threshold)
+        for fmt, cand in free[param].candidates.items():
+            plan = MatrixPlan(cand.plan.method, cand.plan.quant, True)
+            jobs.setdefault((fmt, plan, m.cols), []).extend(chunks)
+            out.setdefault(param, {})[fmt] = np.zeros(m.count)
+        scale[param] = scale[param] * np.asarray([m.rows / len(measured_rows(m.rows, e, step))
+                                                  for e in range(m.count)])
+    for (fmt, plan, _), chunks in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+        errors = _solve_chunks(chunks, plan, threshold, devices)
+        for c, err in zip(chunks, errors):
+            out[c.param][fmt][c.expert] += err[:len(c.rows)].sum()
+    for param, by_format in out.items():
+        for fmt in by_format:
+            by_format[fmt] = by_format[fmt] * scale[param]
+    return out
+
+
+@jax.jit
+def _output_error(weight, solved, hessian):
+    """tr((W - Q) H (W - Q)^T) / 2 per matrix: (n,) float32 of (n, R, C) weights and (C, C) or (n, C, C) H."""
+    return hessian_loss(weight, solved, hessian, fixed_order=False) / 2
+
+
+def whole_costs(collector, stacks: list, free: dict, gains, threshold: int, devices) -> dict:
+    """:func:`layer_costs` measured exhaustively: every matrix solved whole, as the run solves it (one
+    :func:`jgptq_torch.pipeline.solve.solve_layer` per candidate: the matrices that have it, one bucket per shape);
+    the reference the sampled estimate is judged against."""
+    out: dict = {}
+    for fmt in sorted({f for _, p, _ in stacks for f in free[p].candidates}):
+        chosen = [s for s in stacks if fmt in free[s[1]].candidates]
+        plan = plan_mod.Plan({p: free[p].candidates[fmt].plan for _, p, _ in chosen}, {}, [], [])
+        for m, param, stack, res in solve_layer(chosen, plan, threshold, devices=devices):
+            cost = np.zeros(m.count)
+            if stack.hessian is not None:
+                cost = _scale(collector, m, stack, gains, param) * np.asarray(
+                    _output_error(stack.weight, res.weight, jnp.asarray(stack.hessian)), np.float64)
+            out.setdefault(param, {})[fmt] = cost
+    return out
+
+
+def measure(run, free: dict, gains, *, stride: int = EXPERT_ROW_STRIDE) -> dict:
+    """param -> {format: float64 (count,) costs}: every free matrix (``free``: the run's
+    :attr:`jgptq_torch.pipeline.sensitivity.Layout.free`) measured under each of its candidates, layer by layer
+    on float inputs (module docstring). ``run``: a :class:`jgptq_torch.pipeline.run_setup.Run` of a probe
+    config; ``stride``: experts' rows sampled one in ``stride`` (0: every matrix solved whole,
+    :func:`whole_costs`)."""
+    cfg, placement, report = run.cfg, run.placement, run.report
+    placement.prepare()
+    hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
+    costs: dict = {}
+    for i in LayerProgress(0, len(run.layers), enabled=cfg.progress, desc="jgptq target_bpw pass", eta=True):
+        t0 = time.perf_counter()
+        layer = placement.fetch(i)
+        target = run.targets[i]
+        collector, outputs = calibrate(layer, i, target, statistics.of_config(cfg), hidden, layer_inputs, run.batch_list,
+                                       keep_outputs=True)
+        stats = importance.layer_imatrix(collector, run.prefix, i, target)
+        stacks = [s for s in layer_stacks(collector, target, f"{run.prefix}.{i}", run.plan, cfg,
+                                          stats if run.given is None else run.given) if s[1] in free]
+        threshold = cfg.moe.threshold(collector.batch_tokens)
+        costs.update(layer_costs(collector, stacks, free, gains, threshold, run.devices, stride) if stride
+                     else whole_costs(collector, stacks, free, gains, threshold, run.devices))
+        collector.release()
+        placement.put_back(i)
+        hidden = outputs
+        report.add_time(i, "sensitivity", time.perf_counter() - t0)
+    return costs
+
+
+def work_ratio(free: dict, stride: int = EXPERT_ROW_STRIDE) -> float:
+    """Rows solved by the first pass (every candidate; experts' rows one in :func:`row_stride` of ``stride``, 0:
+    all) over the rows the run that follows solves (module docstring)."""
+    solved = total = 0
+    for _, group, m, candidates in free.values():
+        step = row_stride(m, group, stride) if stride else 1
+        rows = sum(len(measured_rows(m.rows, e, step)) for e in range(m.count))
+        solved += len(candidates) * rows * m.cols
+        total += m.count * m.rows * m.cols
+    return solved / max(total, 1)
