@@ -14,12 +14,12 @@ GGUF exporter encodes), with ``n_layer`` the model's decoder layers,
 preset      base    raised tensors
 ==========  ======  ==========================================================================================
 q4_k_m      q4_k    attn_v: q6_k where use_more_bits; ffn_down (dense, shared and experts): q6_k where
-                    use_more_bits; attn_qkv: q5_k
-q5_k_m      q5_k    attn_v and ffn_down: q6_k where use_more_bits; attn_qkv: q6_k
+                    use_more_bits
+q5_k_m      q5_k    attn_v and ffn_down: q6_k where use_more_bits
 q4_k_s      q4_k    attn_v: q5_k in the first 4 layers; ffn_down: q5_k where i < n/8
 q5_k_s      q5_k    (none)
 q3_k_m      q3_k    attn_v: q5_k in the first 2 layers, else q4_k; ffn_down: q5_k where i < n/16, else q4_k;
-                    attn_output and attn_qkv: q4_k
+                    attn_output: q4_k
 q6_k        q6_k    (none)
 q2_k_s      q2_k    attn_v: q4_k where n_gqa >= 4; ffn_down: q4_k where i < n/8
 iq2_m       iq2_s   attn_v: q4_k where n_gqa >= 4 or n_expert >= 4, else iq3_s; ffn_down: iq3_s where i < n/8;
@@ -27,17 +27,22 @@ iq2_m       iq2_s   attn_v: q4_k where n_gqa >= 4 or n_expert >= 4, else iq3_s; 
 mxfp4_moe   mxfp4   routed experts (3-D tensors in GGUF) mxfp4, every other weight q8_0; no layer or 8-expert rule
 ==========  ======  ==========================================================================================
 
-and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and,
-in q4_k_m, q4_k_s and q3_k_m, attn_output q5_k (q2_k_s takes the q8_0 attn_v and attn_k; iq2_m follows its own
-rules above, where llama.cpp checks the IQ2/IQ1 mixes before the 8-expert rule). ``n_gqa`` is query heads per
-key-value head. Categories: attn_v = ``v_proj``, attn_k =
-``k_proj``, attn_output = ``o_proj``/``out_proj``, attn_qkv = ``qkv_proj``/``query_key_value``/``Wqkv``,
-ffn_down = ``down_proj``/``w2`` (in any MLP or experts module). llama.cpp's counter of attn_v tensors equals the
-layer index for models with one attn_v per layer, which is what is used here; likewise its ffn_down counter of the
-IQ2 mixes is the layer index when a layer has one ffn_down tensor (llama.cpp counts a layer's shared-expert
-ffn_down as one more). Multi-head latent attention's ``kv_b_proj`` is no attn_v: llama.cpp's files hold it split
-into ``attn_k_b``/``attn_v_b``, which its mixes treat as any other weight (only a legacy unsplit ``attn_kv_b``
-counts as attn_v there).
+and, for models with exactly 8 experts per layer (llama.cpp's Mixtral rule), attn_v and attn_k become q8_0 and, in
+q4_k_m, q4_k_s and q3_k_m, attn_output q5_k (q2_k_s takes the q8_0 attn_v and attn_k; iq2_m follows its own rules
+above, where llama.cpp checks the IQ2/IQ1 mixes before the 8-expert rule). ``n_gqa`` is query heads per key-value
+head (of the model's softmax attention). Categories: attn_v = ``v_proj``, attn_k = ``k_proj``, attn_output =
+``o_proj``/``out_proj`` (not a linear attention's or short convolution's ``out_proj``: llama.cpp's
+``ssm_out``/``shortconv.out_proj`` are plain weights), attn_qkv = ``qkv_proj``/``query_key_value``/``Wqkv`` and the
+linear attention's ``in_proj_qkv`` (Qwen3.5) and ``in_proj_qkvz`` (Qwen3-Next), ffn_down = ``down_proj``/``w2`` (in
+any MLP or experts module). llama.cpp gives attn_qkv attn_v's rules (its attn_v branch takes both) and counts both
+in one attn_v counter, which equals the layer index for models with one attn_v or attn_qkv per layer (hybrids of
+linear and softmax attention included), which is what is used here. Its ffn_down counter of the IQ2 mixes counts
+ffn_down tensors in file order, a layer's dense one, then its experts', then its shared experts'
+(:func:`ffn_down_order`). Qwen3-Next's ``in_proj_qkvz`` is one matrix of the plan, so one format (attn_qkv's rule),
+and is written as ``attn_qkv`` and ``attn_gate``: where llama.cpp raises ``attn_qkv`` above the base type, its
+``attn_gate`` keeps the base type and jgptq's has the raised one. Multi-head latent attention's ``kv_b_proj`` is no
+attn_v: llama.cpp's files hold it split into ``attn_k_b``/``attn_v_b``, which its mixes treat as any other weight
+(only a legacy unsplit ``attn_kv_b`` counts as attn_v there).
 
 ``mxfp4_moe`` is llama.cpp's MXFP4_MOE (gpt-oss's file type), which decides by tensor shape: a tensor with a third
 dimension (a stack of routed experts) gets MXFP4, any other quantized one Q8_0, the token embedding and output head
@@ -60,7 +65,10 @@ LLAMA_FALLBACK = {"iq1_s": "iq4_nl", "iq1_m": "iq4_nl", "iq2_xxs": "iq4_nl", "iq
                   "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 _CATEGORIES = (
-    ("attn_qkv", re.compile(r"(^|\.)(qkv_proj|query_key_value|Wqkv)$")),
+    # a linear-attention or short-convolution output (llama.cpp's ``ssm_out``, ``shortconv.out_proj``) is no attention
+    # output: none of the mixes' rules names it
+    ("other", re.compile(r"(^|\.)(linear_attn|conv)\.out_proj$")),
+    ("attn_qkv", re.compile(r"(^|\.)(qkv_proj|query_key_value|Wqkv|in_proj_qkvz?)$")),
     ("attn_v", re.compile(r"(^|\.)v_proj$")),
     ("attn_k", re.compile(r"(^|\.)k_proj$")),
     ("attn_output", re.compile(r"(^|\.)(o_proj|out_proj)$")),
@@ -89,8 +97,21 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
+def ffn_down_order(names) -> dict:
+    """llama.cpp's counter of ffn_down tensors (its IQ2 mixes' ``i_ffn_down``) for weights given as (name relative to
+    its layer, layer index) pairs: {(name, layer): the number of ffn_down tensors before it}. llama.cpp counts in
+    file order (by layer, then by tensor name: ``ffn_down`` < ``ffn_down_exps`` < ``ffn_down_shexp``), one per
+    GGUF tensor: the experts of a layer kept one module each count once."""
+    def rank(name):
+        return 1 if is_expert_stack(name) else 2 if "shared_expert" in name else 0
+    tensors = sorted({(layer, rank(name)) for name, layer in names if category(name) == "ffn_down"})
+    index = {t: i for i, t in enumerate(tensors)}
+    return {(name, layer): index[(layer, rank(name))] for name, layer in names if category(name) == "ffn_down"}
+
+
 def _iq2_m_format(cat: str, layer: int, n_layers: int, n_expert: int, n_gqa: int) -> str:
-    """llama.cpp's IQ2_M rules (its branch for the IQ2/IQ1 mixes, taken before the 8-expert rule)."""
+    """llama.cpp's IQ2_M rules (its branch for the IQ2/IQ1 mixes, taken before the 8-expert rule); ``layer`` is the
+    ffn_down counter for an ffn_down weight."""
     if cat in ("attn_v", "attn_qkv"):
         return "q4_k" if n_gqa >= 4 or n_expert >= 4 else "iq3_s"
     if cat == "attn_k" and n_expert == 8:
@@ -108,9 +129,11 @@ def run_format(mix, fmt: str) -> str:
     return PRESETS[mix] if mix is not None and fmt == "int" else fmt
 
 
-def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1) -> str:
+def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: int, n_gqa: int = 1,
+                  down_index=None) -> str:
     """The format llama.cpp's mix ``preset`` gives the weight ``name`` of decoder layer ``layer`` of a model with
-    ``n_expert`` experts per layer and ``n_gqa`` query heads per key-value head."""
+    ``n_expert`` experts per layer and ``n_gqa`` query heads per key-value head; ``down_index``: an ffn_down
+    weight's place in llama.cpp's count of them (:func:`ffn_down_order`; None: its layer, as where a layer has one)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown mix preset {preset!r}; choose one of {sorted(PRESETS)}")
     base = PRESETS[preset]
@@ -119,8 +142,9 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
     cat = category(name)
     more = use_more_bits(layer, n_layers)
     if preset == "iq2_m":
-        return _iq2_m_format(cat, layer, n_layers, n_expert, n_gqa)
-    if cat == "attn_v":
+        counted = layer if down_index is None or cat != "ffn_down" else down_index
+        return _iq2_m_format(cat, counted, n_layers, n_expert, n_gqa)
+    if cat in ("attn_v", "attn_qkv"):
         out = base
         if preset == "q2_k_s" and n_gqa >= 4:
             out = "q4_k"
@@ -147,8 +171,6 @@ def preset_format(preset: str, name: str, layer: int, n_layers: int, n_expert: i
         if n_expert == 8 and preset in ("q4_k_m", "q4_k_s", "q3_k_m"):
             return "q5_k"
         return "q4_k" if preset == "q3_k_m" else base
-    if cat == "attn_qkv":
-        return {"q4_k_m": "q5_k", "q5_k_m": "q6_k", "q3_k_m": "q4_k"}.get(preset, base)
     return base
 
 

@@ -69,10 +69,12 @@ def first_rule(config, name: str) -> Optional[Rule]:
     return next((r for r in rules(config) if re.search(r.pattern, name)), None)
 
 
-def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param: str = "", n_gqa: int = 1) -> str:
+def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param: str = "", n_gqa: int = 1,
+              down_index=None) -> str:
     """The format a GGML run gives weight ``name`` (model parameter ``param``) of decoder layer ``layer`` before
     any block fallback: the first matching ``formats`` rule, else its ``assignment`` entry, else the ``mix``
-    preset's choice (``n_gqa``: query heads per key-value head), else ``quant.format``."""
+    preset's choice (``n_gqa``: query heads per key-value head; ``down_index``: an ffn_down weight's place in
+    llama.cpp's count, :func:`jgptq.mixes.ffn_down_order`), else ``quant.format``."""
     rule = next((r for r in rules(config) if not r.skip and re.search(r.pattern, name)), None)
     if rule is not None:
         return rule.format
@@ -81,12 +83,12 @@ def format_of(config, name: str, layer: int, n_layers: int, n_expert: int, param
         if assigned is not None:
             return assigned
     if config.mix is not None:
-        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert, n_gqa)
+        return mixes.preset_format(config.mix, name, layer, n_layers, n_expert, n_gqa, down_index)
     return config.quant.format
 
 
 def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int = 1, *,
-                candidate: Optional[str] = None) -> tuple:
+                candidate: Optional[str] = None, down_index: int | None = None) -> tuple:
     """The method and format of one matrix: the single place this is decided.
 
     Args:
@@ -97,6 +99,8 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int
       candidate: a format to plan the matrix with in place of its ``formats`` rule, ``assignment`` entry or mix
         choice (a GGML name, or ``"int<bits>"`` in an integer-grid run): what the ``target_bpw`` measurement
         tries. An ``exclude`` rule still wins.
+      down_index: an ffn_down matrix's place in llama.cpp's count of them (:func:`jgptq.mixes.ffn_down_order`;
+        None: its layer).
     Returns:
       (:class:`MatrixPlan` or None when a rule excludes it, a fallback note or None).
     Raises:
@@ -108,7 +112,8 @@ def plan_matrix(config, target: Target, n_layers: int, n_expert: int, n_gqa: int
         return None, None
     quant, note = config.quant, None
     if quant.is_ggml:
-        fmt = candidate or format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa)
+        fmt = candidate or format_of(config, target.name, target.layer, n_layers, n_expert, target.param, n_gqa,
+                                     down_index)
         fmt, note = _fit_block(config, target, fmt)
         if fmt != quant.format:
             quant = quant.replace(format=fmt)
@@ -150,9 +155,11 @@ def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_g
     ``config`` that matched no target reported in ``unmatched``."""
     matrices, skipped, notes, used = {}, {}, [], set()
     all_rules = rules(config)
+    targets = list(targets)
+    downs = mixes.ffn_down_order([(t.name, t.layer) for t in targets])
     for t in targets:
         used |= {r for r in all_rules if re.search(r.pattern, t.name)}
-        plan, note = plan_matrix(config, t, n_layers, n_expert, n_gqa)
+        plan, note = plan_matrix(config, t, n_layers, n_expert, n_gqa, down_index=downs.get((t.name, t.layer)))
         if plan is None:
             skipped[t.param] = first_rule(config, t.name)
         else:

@@ -31,7 +31,7 @@ FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4
 MIX_FTYPES = {"q2_k_s": "LLAMA_FTYPE_MOSTLY_Q2_K_S", "iq2_m": "LLAMA_FTYPE_MOSTLY_IQ2_M",
               "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
               "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-              "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}
+              "mxfp4_moe": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE", "q5_k_s": "LLAMA_FTYPE_MOSTLY_Q5_K_S"}
 
 
 def read_imatrix(path: str) -> dict:
@@ -64,7 +64,7 @@ def read_imatrix(path: str) -> dict:
 
 
 def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: str = "F32", threads: int = 2,
-             overrides: dict | None = None) -> float:
+             overrides: dict | None = None, mix: bool = False) -> float:
     """``llama_model_quantize(src -> dst)`` at ``fmt`` for every weight tensor, or with llama.cpp's own per-tensor
     rules when ``fmt`` names one of its mixes; returns the seconds it took.
 
@@ -76,6 +76,8 @@ def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: s
         model's; the output head is never quantized).
       overrides: {regular expression: GGML type name}: the tensors whose name the expression finds get that type
         instead of the mix's or the format's (``llama-quantize --tensor-type``; the first match wins).
+      mix: take ``fmt`` as llama.cpp's mix of that name where it also names a plain format (``q6_k``: the Q6_K
+        file type with its per-tensor rules, not ``pure``).
     """
     import gguf
     import llama_cpp
@@ -87,7 +89,7 @@ def quantize(src: str, dst: str, fmt: str, imatrix: dict | None, *, keep_type: s
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = int(threads)
     params.ftype = getattr(llama_cpp, ftype)
-    params.pure = fmt in FTYPES
+    params.pure = fmt in FTYPES and not mix
     params.quantize_output_tensor = False
     keep = int(gguf.GGMLQuantizationType[keep_type.upper()])
     params.output_tensor_type = keep

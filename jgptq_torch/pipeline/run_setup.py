@@ -108,8 +108,9 @@ def plan_layers(prefix: str, layers, cfg) -> tuple:
     returns (targets less the matrices the plan excludes, plan)."""
     found = [models.layer_targets(layer) for layer in layers]
     n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
-    attn = getattr(layers[0], "self_attn", None) if len(layers) else None
-    n_gqa = int(getattr(attn, "num_key_value_groups", 1) or 1)  # query heads per key-value head
+    # query heads per key-value head, of the first layer with softmax attention (a hybrid's first may be linear)
+    attn = next((a for a in (getattr(layer, "self_attn", None) for layer in layers) if a is not None), None)
+    n_gqa = int(getattr(attn, "num_key_value_groups", 1) or 1)
     plan = plan_mod.resolve(cfg, [plan_mod.Target(m.name, i, m.cols, m.param_name(f"{prefix}.{i}"),
                                                   m.layout is not None)
                                   for i, t in enumerate(found) for m in t.matrices()], len(layers), n_expert, n_gqa)
