@@ -8,7 +8,7 @@
   modules of their own (:data:`STACKED_EXPERTS`). Routers, embeddings and the output head are never targets.
 - :class:`ExpertsLayout`: the nn.Linear-orientation (out, in) view of every expert's fused weights;
   :class:`StackLayout`: the same for a single stack.
-- :func:`checkpoint_names`: where each row of a target lands in a checkpoint written by ``save_pretrained``
+- :func:`checkpoint_names` (:mod:`jgptq_torch.checkpoint_keys`): where each row of a target lands in a checkpoint
   (fused experts are split into per-expert names by transformers' own reverse weight conversion).
 
 The only per-architecture facts kept here are for models that do not describe themselves.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +29,7 @@ class UnsupportedModelError(ValueError):
 
 # Relative names (inside a decoder layer) of linear modules that route rather than transform: quantizing them
 # changes which experts run. ``mlp.gate`` routers are plain parameters in transformers 5, listed for older layouts.
-ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$",
+ROUTER_PATTERNS = (r"(^|\.)gate$", r"(^|\.)router$", r"(^|\.)shared_expert_gate$", r"(^|\.)router_gate$",
                    r"(^|\.)gate\.wg$",    # HunYuan's router: a Linear ``wg`` inside its gate module
                    r"(^|\.)router\.layer$")   # JetMoe's: a Linear ``layer`` inside its router module
 
@@ -69,6 +68,10 @@ def is_prescaled(module: nn.Module) -> bool:
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The decoder layers of ``model``: (qualified name of the ModuleList, the list).
 
+    The list is the longest ModuleList whose members are all of the model's ``_no_split_modules`` classes (hybrid
+    models mix several: attention and Mamba layers, sliding and full ones), else the longest list of one repeated
+    class.
+
     Raises:
       UnsupportedModelError: no ModuleList of the model's ``_no_split_modules`` classes (or of one repeated
         class) was found.
@@ -79,9 +82,10 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         kinds = {type(m).__name__ for m in module}
-        if len(kinds) != 1:
+        named = kinds <= wanted
+        if len(kinds) != 1 and not named:
             continue
-        score = (next(iter(kinds)) in wanted, len(module))
+        score = (named, len(module))
         if best is None or score > best[0]:
             best = (score, name, module)
     if best is None or (wanted and not best[0][0] and best[0][1] < 2):
@@ -315,6 +319,14 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
             skipped.append((name, "convolution (kept in floating point)"))
             continue
         for pname, p in module.named_parameters(recurse=False):
+            if p.ndim >= 3 and sum(d > 1 for d in p.shape) <= 1:   # a vector with axes of one, e.g. (1, 1, heads, 1)
+                skipped.append((f"{name}.{pname}" if name else pname, f"{cls} parameter"))
+                continue
+            if p.ndim == 2 and "Expert" in cls:
+                raise UnsupportedModelError(
+                    f"{name}.{pname} ({cls}): experts kept as rows of a 2-D parameter {tuple(p.shape)} and run by "
+                    f"the model's own loop, not an experts module transformers dispatches; jgptq cannot see each "
+                    f"expert's routed inputs")
             if p.ndim >= 3:
                 raise UnsupportedModelError(
                     f"{name}.{pname} ({cls}): {p.ndim}-D weight {tuple(p.shape)} outside an experts module "
@@ -324,77 +336,5 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
     return LayerTargets(linears, experts, skipped)
 
 
-def row_index(rows: torch.Tensor):
-    """A numpy index for the row indices ``rows`` of :func:`checkpoint_names`: a slice when they are one increasing
-    run (indexing then gives a view, not a copy), else the numpy array."""
-    rows = rows.numpy()
-    if rows.size and rows[-1] - rows[0] == rows.size - 1 and np.array_equal(rows, np.arange(rows[0], rows[-1] + 1)):
-        return slice(int(rows[0]), int(rows[-1]) + 1)
-    return rows
-
-
-def name_spec(model: nn.Module, param: str) -> tuple:
-    """The :func:`checkpoint_names` entry of a weight parameter of ``model``: (number of experts, or None for a 2-D
-    weight; its output rows in nn.Linear orientation; whether the experts module stores it transposed)."""
-    tensor = model.get_parameter(param)
-    module = model.get_submodule(param.rpartition(".")[0])
-    transposed = is_experts_module(module) and ExpertsLayout.of(module).transposed
-    return (tensor.shape[0] if tensor.ndim == 3 else None, tensor.shape[-1] if transposed else tensor.shape[-2],
-            transposed)
-
-
-def checkpoint_names(model: nn.Module, params: dict) -> dict:
-    """Where the output rows of each target land in a ``save_pretrained`` checkpoint.
-
-    Args:
-      model: the transformers model.
-      params: qualified parameter name -> (num_experts or None, out_features, transposed): 2-D linear weights
-        (None) or 3-D fused expert weights.
-    Returns:
-      qualified parameter name -> list of (checkpoint key, expert index or None for a fused key, row indices
-      (LongTensor) of the nn.Linear-orientation (out, in) matrix that the key holds).
-    """
-    proxies, spans, base = {}, {}, 0
-    for name, (experts, out, transposed) in params.items():
-        n = (experts or 1) * out
-        ids = base + torch.arange(n, dtype=torch.int64)
-        if experts is None:
-            proxies[name] = ids.reshape(out, 1)
-        else:
-            ids = ids.reshape(experts, out)
-            proxies[name] = ids[:, None, :] if transposed else ids[:, :, None]
-        spans[name] = (base, experts, out)
-        base += n
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        reverted = revert_weight_conversion(model, dict(proxies))
-    except Exception:  # no conversion machinery: keys stay as they are
-        reverted = proxies
-    owner = {}
-    for key, tensor in reverted.items():
-        flat = tensor.reshape(-1)
-        if flat.numel() == 0:
-            continue
-        first = int(flat[0])
-        for name, (start, experts, out) in spans.items():
-            if start <= first < start + (experts or 1) * out:
-                owner.setdefault(name, []).append((key, flat - start, experts, out))
-                break
-    names = {}
-    for name, entries in owner.items():
-        rows = []
-        for key, local, experts, out in entries:
-            if experts is None:
-                rows.append((key, None, local))
-                continue
-            expert_ids = torch.unique(local // out)
-            if len(expert_ids) == 1:
-                rows.append((key, int(expert_ids[0]), local % out))
-            else:
-                rows.append((key, None, local))
-        names[name] = rows
-    missing = set(params) - set(names)
-    if missing:
-        raise UnsupportedModelError(f"checkpoint names could not be derived for {sorted(missing)}")
-    return names
+# where a target's rows land in a checkpoint: a module of its own, named here too for the callers that know it here
+from jgptq_torch.checkpoint_keys import checkpoint_names, name_spec, row_index  # noqa: F401

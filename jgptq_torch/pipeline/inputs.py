@@ -15,6 +15,19 @@ class _StopForward(Exception):
     pass
 
 
+class _Unpacked(Exception):
+    pass
+
+
+class _LayerOutput(torch.Tensor):
+    """What a recorder returns to the model's forward: the hidden states, refusing to be unpacked. A forward that
+    unpacks a decoder layer's output (``hidden, state = layer(...)``) hands the next layer state that a run of one
+    layer at a time does not carry."""
+
+    def __iter__(self):
+        raise _Unpacked
+
+
 def _param_device(module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -25,7 +38,7 @@ def _to(obj, device, memo: dict):
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = obj.to(device)
+            memo[key] = obj.to(device).as_subclass(torch.Tensor)
         return memo[key]
     if isinstance(obj, tuple):
         return tuple(_to(o, device, memo) for o in obj)
@@ -52,12 +65,17 @@ def capture_inputs(model, layers, batch_list, device):
                 hs, rest = args[0], args[1:]
             else:
                 hs, rest = kwargs.pop("hidden_states"), ()
+            if i and (type(hs) is not _LayerOutput or hs.shape != current["shape"]):
+                raise models.UnsupportedModelError(
+                    f"{type(model).__name__}: decoder layer {i} is not given the hidden states layer {i - 1} "
+                    f"returned; jgptq runs one layer at a time and carries only the hidden states between layers")
             current["layers"][i] = _to((rest, kwargs), device, current["memo"])
             if i == 0:
                 current["hidden"] = hs.to(device)
             if i == len(layers) - 1:
                 raise _StopForward
-            return hs
+            current["shape"] = hs.shape
+            return hs.as_subclass(_LayerOutput)
         return forward
 
     for i, layer in enumerate(layers):
@@ -72,6 +90,11 @@ def capture_inputs(model, layers, batch_list, device):
                       use_cache=False)
             except _StopForward:
                 pass
+            except _Unpacked:
+                raise models.UnsupportedModelError(
+                    f"{type(model).__name__}: its forward unpacks each decoder layer's output into several values "
+                    f"(state handed from one layer to the next, such as routing or attention indices); jgptq runs "
+                    f"one layer at a time and carries only the hidden states between layers") from None
             if current["hidden"] is None or any(r is None for r in current["layers"]):
                 raise models.UnsupportedModelError(
                     f"{type(model).__name__}: the forward did not call every decoder layer in order")

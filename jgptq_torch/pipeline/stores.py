@@ -60,10 +60,24 @@ def layer_records(names: dict, solved: list, copies=None) -> dict:
                 e = 0 if expert is None else expert
                 weights[key] = whole.take(e, models.row_index(rows), method=res.method[e])
                 continue
-            if not np.array_equal(rows.numpy(), np.arange(m.count * m.rows)):
-                raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered")
-            weights[key] = whole
+            weights[key] = whole.take(rows=_expert_row_order(key, rows.numpy(), m.count, m.rows))
     return weights
+
+
+def _expert_row_order(key: str, rows: np.ndarray, experts: int, per_expert: int):
+    """The one order of each expert's rows under which fused checkpoint ``key`` holds the stack's ``rows`` (None:
+    the stack's own order), e.g. gate and up rows interleaved in the checkpoint, concatenated in the model.
+
+    Raises:
+      UnsupportedModelError: the key does not hold every expert, in order, each with its rows in one shared order.
+    """
+    if np.array_equal(rows, np.arange(experts * per_expert)):
+        return None
+    local = rows.reshape(experts, per_expert) - (np.arange(experts) * per_expert)[:, None] \
+        if rows.size == experts * per_expert else None
+    if local is None or not (local == local[0]).all() or not np.array_equal(np.sort(local[0]), np.arange(per_expert)):
+        raise models.UnsupportedModelError(f"{key}: checkpoint rows of a fused key are reordered across experts")
+    return local[0]
 
 
 class Stores:
