@@ -335,6 +335,3 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
                 skipped.append((f"{name}.{pname}" if name else pname, f"{cls} parameter"))
     return LayerTargets(linears, experts, skipped)
 
-
-# where a target's rows land in a checkpoint: a module of its own, named here too for the callers that know it here
-from jgptq_torch.checkpoint_keys import checkpoint_names, name_spec, row_index  # noqa: F401

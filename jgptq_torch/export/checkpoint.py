@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from jgptq_torch import models
+from jgptq_torch import checkpoint_keys, models
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq.export import export_compressed_tensors, export_gptq_v1
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
@@ -230,8 +230,8 @@ def module_keys(model, result) -> dict:
                                   f"({sorted(keys)[:2]}...); names='modules' needs one record per module")
             out[keys[0]] = param
             continue
-        spec[param] = models.name_spec(model, param)
-    places = models.checkpoint_names(model, spec) if spec else {}
+        spec[param] = checkpoint_keys.name_spec(model, param)
+    places = checkpoint_keys.checkpoint_names(model, spec) if spec else {}
     for param, entries in places.items():
         experts_path, _, fused = param.rpartition(".")
         rows = spec[param][1]

@@ -14,7 +14,7 @@ import warnings
 from jgptq_torch.pipeline import calib as calib_mod
 from jgptq_torch.pipeline import float_stream
 from jgptq_torch.pipeline import importance
-from jgptq_torch import linear_attention, models
+from jgptq_torch import checkpoint_keys, linear_attention, models
 from jgptq_torch.pipeline import weight_checks
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.report import QuantizeResult, Report
@@ -74,7 +74,7 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
         importance.check_imatrix(imatrix, prefix, targets)
     specs = {m.param_name(f"{prefix}.{i}"): (m.experts, m.rows, m.transposed)
              for i, t in enumerate(targets) for m in t.matrices()}
-    names = models.checkpoint_names(model, specs)
+    names = checkpoint_keys.checkpoint_names(model, specs)
     run_device = offload_mod.run_device(device, layers[0])
     slow = linear_attention.slow_linear_attention(model, run_device)
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)

@@ -1,7 +1,7 @@
 """A layer's solved matrices as checkpoint records, made on a worker thread while the next layer runs.
 
 A record is :meth:`jgptq.bucket.Solved.record` taken under each checkpoint key the matrix's rows land in
-(:func:`jgptq_torch.models.checkpoint_names`): per-expert keys take one expert's rows, a fused key takes the stack.
+(:func:`jgptq_torch.checkpoint_keys.checkpoint_names`): per-expert keys take one expert's rows, a fused key takes the stack.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from jgptq_torch import models
+from jgptq_torch import checkpoint_keys, models
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.pipeline.moves import Staging
 
@@ -58,7 +58,7 @@ def layer_records(names: dict, solved: list, copies=None) -> dict:
         for key, expert, rows in names[param]:
             if m.layout is None or expert is not None:
                 e = 0 if expert is None else expert
-                weights[key] = whole.take(e, models.row_index(rows), method=res.method[e])
+                weights[key] = whole.take(e, checkpoint_keys.row_index(rows), method=res.method[e])
                 continue
             weights[key] = whole.take(rows=_expert_row_order(key, rows.numpy(), m.count, m.rows))
     return weights

@@ -59,13 +59,13 @@ def quantize_in_place(model, fmt: str, only=None) -> types.SimpleNamespace:
 
 def per_expert(model, result) -> types.SimpleNamespace:
     """The same records under the checkpoint keys of ``save_pretrained`` (per-expert names where it has them)."""
-    from jgptq_torch import models
+    from jgptq_torch import checkpoint_keys
 
     params = {}
     for name, rec in result.weights.items():
         shape = rec.shape
         params[name] = (shape[0] if len(shape) == 3 else None, shape[-2], False)
-    places = models.checkpoint_names(model, params)
+    places = checkpoint_keys.checkpoint_names(model, params)
     weights, keys = {}, {}
     for name, entries in places.items():
         rec = result.weights[name]

@@ -1,6 +1,6 @@
 """A quantization result's GGML records as one :class:`GGMLWeight` per model parameter, the form a GGUF tensor
 takes: records kept per checkpoint key (one expert's rows, a fused stack) are stacked back by where their rows
-land (:func:`jgptq_torch.models.checkpoint_names`)."""
+land (:func:`jgptq_torch.checkpoint_keys.checkpoint_names`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 
-from jgptq_torch import models
+from jgptq_torch import checkpoint_keys
 from jgptq.export.records import GGMLWeight
 
 
@@ -16,7 +16,7 @@ def assemble(model, result, params: dict) -> dict:
     """Model parameter name -> one :class:`GGMLWeight` covering the whole parameter in (..., out, in) orientation.
 
     ``result.weights`` is keyed by parameter names, or by checkpoint keys listed in ``result.param_keys``
-    (per-expert keys are stacked back with :func:`jgptq_torch.models.checkpoint_names`).
+    (per-expert keys are stacked back with :func:`jgptq_torch.checkpoint_keys.checkpoint_names`).
     """
     weights = dict(result.weights)
     check_ggml(weights)
@@ -64,11 +64,11 @@ def _direct(keys: list, weights: dict, full: tuple) -> bool:
 
 
 def row_places(model, params) -> dict:
-    """Parameter -> where its rows land under checkpoint keys (:func:`jgptq_torch.models.checkpoint_names`), for
+    """Parameter -> where its rows land under checkpoint keys (:func:`jgptq_torch.checkpoint_keys.checkpoint_names`), for
     ``params`` (names) whose records are kept per checkpoint key."""
     if not params:
         return {}
-    return models.checkpoint_names(model, {param: models.name_spec(model, param) for param in params})
+    return checkpoint_keys.checkpoint_names(model, {param: checkpoint_keys.name_spec(model, param) for param in params})
 
 
 def param_record(param: str, full: tuple, keys: list, weights: dict, places=None) -> GGMLWeight:
