@@ -145,3 +145,17 @@ def test_of_config_collects_the_cross_statistic_for_a_method_that_reads_it():
         error_feedback.ErrorFeedbackGPTQ("bad", alpha=1.5)
     assert dataclasses.is_dataclass(error_feedback.Correction(0.01, 1.0))
     assert isinstance(error_cross.init(4), error_cross.CrossState)
+
+
+def test_ggml_solve_of_the_corrected_weight():
+    """A GGML format goes through GPTQ's guarded block solve with the corrected weight (measured: 0.40x the excess
+    error of GPTQ for q4_0 here)."""
+    w, x, xf = _problem(seed=1, cols=64)
+    h, k, _ = _reference(w, x, xf, 0.01, 1.0)
+    f32 = lambda a: jnp.asarray(np.asarray(a), jnp.float32)
+    stack = Stack("m", f32(w[None]), f32(h), [256], "m", None, {"error_cross": f32(k)})
+    quant = QuantConfig(format="q4_0")
+    (ef,) = quantize_bucket([stack], MatrixPlan("gptq_ef", quant))
+    (plain,) = quantize_bucket([stack], MatrixPlan("gptq", quant))
+    assert ef.method == ("gptq_ef",) and ef.payload is not None
+    assert _excess_error(w, x, xf, ef.weight[0]) < 0.7 * _excess_error(w, x, xf, plain.weight[0])
