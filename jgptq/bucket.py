@@ -71,6 +71,9 @@ class Stack(NamedTuple):
       tokens: n token counts behind the Hessians.
       hessian_key: equal keys within a bucket name the same Hessian (its factorization is then shared).
       importance: float32 (n, C) per-column importance for GGML encoders, or None.
+      statistics: the finalized results of other statistics a method declares (:mod:`jgptq.statistics`), by
+        name, each (C, C) shared like the Hessian (same ``hessian_key``) or (n, C, C); a name missing or None:
+        never collected for these matrices (e.g. ``"error_cross"`` where the run's inputs are the float model's).
     """
 
     name: str
@@ -79,6 +82,7 @@ class Stack(NamedTuple):
     tokens: Sequence[int]
     hessian_key: str = ""
     importance: Optional[object] = None
+    statistics: Optional[dict] = None
 
 
 _FIGURES = ("loss", "damp_used", "damp_stage", "fallback", "dead_columns")

@@ -9,6 +9,9 @@ statistics and applies each to every input it sees; it knows nothing of what the
 - :func:`importance`: llama.cpp's importance statistic (:mod:`jgptq.imatrix`): per input column the float32 sum of
   squared inputs, and the token count; finalized to an :class:`jgptq.imatrix.ImatrixEntry`. It sees the tokens a
   weight saw: for experts, the routed ones only.
+- :func:`error_cross`: the error-feedback cross statistic (:mod:`jgptq.error_cross`): the float32 sum of
+  ``(x~ - x) x^T`` over paired rows ``[x | x~]`` (the run's input and the float model's at the same token), finalized
+  to ``2 / N * sum``; collected only for a method that declares it (:func:`of_config`).
 - :func:`calibration`: the chain of the layerwise pipeline, ``{"hessian": ..., "imatrix": ...}``.
 
 Forms of ``update`` (one state per weight input, or a stack of ``entries`` states, one per expert):
@@ -31,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgptq import error_cross as cross
 from jgptq import hessian, xla_options
 from jgptq.imatrix import ImatrixEntry
 
-HESSIAN, IMATRIX = "hessian", "imatrix"
+HESSIAN, IMATRIX, ERROR_CROSS = "hessian", "imatrix", "error_cross"
 
 
 class Statistic(NamedTuple):
@@ -55,6 +59,9 @@ class Statistic(NamedTuple):
       router_power: for experts' routed rows, the capture hands this statistic each row times ``p ** (router_power
         / 2)``, ``p`` the routing weight the expert's output is multiplied by, so that a sum of products x x^T
         weighs each token by ``p ** router_power`` (0: the rows as they are; rows of linear modules always are).
+      paired: the statistic reads paired rows ``[x | x~]`` (..., 2C): a weight's input in the run and the float
+        model's input to it at the same token; ``init`` still gets C. The capture feeds it only where it has the
+        float stream's inputs beside the run's, and never in one update with unpaired statistics.
     """
 
     init: Callable[..., Any]
@@ -63,6 +70,7 @@ class Statistic(NamedTuple):
     all_experts: bool = False
     slots: Optional[Callable[..., Any]] = None
     router_power: float = 0.0
+    paired: bool = False
 
 
 # -- GPTQ's Hessian -----------------------------------------------------------------------------------------------
@@ -186,10 +194,11 @@ def update_group(chain, states: list, index, x, mask, name: str = "activations")
         return [s.update(st, x, mask, index, name=name) for s, st in zip(chain, states)]
     entries = jax.tree_util.tree_leaves(states[0])[0].shape[0]
     index = hessian.check_group(entries, index, x, name)
-    for st in states:
+    for s, st in zip(chain, states):
         cols = st.hessian_sum.shape[-1] if isinstance(st, hessian.HessianState) else \
-            st.sums.shape[-1] if isinstance(st, SquaresState) else x.shape[-1]
-        if cols != x.shape[-1]:
+            st.sums.shape[-1] if isinstance(st, SquaresState) else \
+            st.cross_sum.shape[-1] if isinstance(st, cross.CrossState) else x.shape[-1]
+        if cols * (2 if s.paired else 1) != x.shape[-1]:
             raise ValueError(f"{name}: activations of shape {tuple(x.shape)} do not match a state of {cols} columns")
     if tuple(mask.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{name}: mask of shape {tuple(mask.shape)} does not match activations {tuple(x.shape)}")
@@ -242,6 +251,24 @@ def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] 
     return len(todo)
 
 
+# -- error feedback's cross statistic -----------------------------------------------------------------------------
+def error_cross(router_power: float = 0.0) -> Statistic:
+    """The error-feedback cross statistic: state :class:`jgptq.error_cross.CrossState`; rows paired ``[x | x~]``
+    (``paired``); ``finalize`` gives ``2 / N * sum (x~ - x) x^T`` float32 (C, C) or (E, C, C).
+
+    Args:
+      router_power: experts' paired rows weighted as the Hessian's are (both halves scaled, so each token's product
+        is weighted by ``p ** router_power``), to stay on the scale of a router-weighted Hessian.
+    """
+    if router_power < 0:
+        raise ValueError(f"router_power={router_power!r} must be >= 0")
+
+    def update(state, x, mask, index=None, name: str = "activations"):
+        return cross.accumulate(state, x, mask, index, name=name)
+
+    return Statistic(cross.init, update, cross.finalize, False, cross.add_slots, float(router_power), True)
+
+
 def calibration(input_dtype: str = "float32", all_experts: bool = False, router_power: float = 0.0) -> dict:
     """The statistics of the layerwise pipeline, in the order the capture applies them: ``{"hessian":``
     :func:`hessian_sum` ``(input_dtype, all_experts, router_power), "imatrix":`` :func:`importance` ``()}``."""
@@ -252,17 +279,24 @@ def of_config(cfg) -> dict:
     """The statistics a layer's solve needs under ``cfg`` (a :class:`jgptq.config.PipelineConfig`):
     :func:`calibration` with the Hessian sum in ``cfg.hessian_dtype``, of every token at every expert with
     ``moe.calibration="all_experts"``, experts' tokens weighted by a power of their routing weight with
-    ``moe.router_weighting``. The torch pipeline collects what this returns; an option that changes what is
-    collected is read here.
+    ``moe.router_weighting``, and :func:`error_cross` (the same router weighting) when ``cfg.method`` declares it.
+    The torch pipeline collects what this returns; an option that changes what is collected is read here.
 
     Raises:
-      ValueError: ``cfg.method`` declares a statistic (:attr:`jgptq.methods.Method.statistics`) not collected.
+      ValueError: ``cfg.method`` declares a statistic (:attr:`jgptq.methods.Method.statistics`) not collected;
+        the cross statistic with ``moe.calibration="all_experts"`` (its pairs are routed tokens only).
     """
     from jgptq.methods import registry
 
-    chain = calibration(cfg.hessian_dtype, all_experts=cfg.moe.calibration == "all_experts",
-                        router_power=cfg.moe.router_power)
-    missing = [s for s in registry.get(cfg.method).statistics if s not in chain]
+    every = cfg.moe.calibration == "all_experts"
+    chain = calibration(cfg.hessian_dtype, all_experts=every, router_power=cfg.moe.router_power)
+    declared = registry.get(cfg.method).statistics
+    if ERROR_CROSS in declared:
+        if every:
+            raise ValueError(f"method {cfg.method!r} reads the error-feedback statistic, which pairs each routed "
+                             f"token's inputs; it cannot be combined with calibration='all_experts'")
+        chain[ERROR_CROSS] = error_cross(cfg.moe.router_power)
+    missing = [s for s in declared if s not in chain]
     if missing:
         raise ValueError(f"method {cfg.method!r} reads the statistics {missing}, which the pipeline does not "
                          f"collect (it collects {list(chain)})")

@@ -5,8 +5,10 @@ A method is an object with
 - ``name``: what plans, configs, records and reports call it;
 - ``statistics``: the names of the calibration statistics its solve reads (see :mod:`jgptq.statistics`, e.g.
   ``("hessian",)``); an empty tuple for a method that needs no calibration. The torch pipeline collects the
-  Hessian and the importance statistic for every run (:func:`jgptq.statistics.of_config`) and refuses a method
-  that declares one it does not collect;
+  Hessian and the importance statistic for every run (:func:`jgptq.statistics.of_config`), the error-feedback
+  cross statistic (``"error_cross"``) for a method that declares it, and refuses a method that declares one it
+  does not collect; statistics other than the Hessian and the importance reach the solve in each stack's
+  ``statistics`` (:class:`jgptq.bucket.Stack`);
 - ``token_threshold``: True when a matrix whose statistics saw fewer tokens than the run's threshold (an expert
   rarely or never routed to) is not solved by the method but falls back to round-to-nearest (reported as ``rtn``
   with the reason);
@@ -38,7 +40,8 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 # built-in method name -> the module that registers it on import
 _BUILTIN = {"gptq": "jgptq.methods.gptq", "rtn": "jgptq.methods.rtn", "gptq_search": "jgptq.methods.gptq_search",
-            "gptq_search_diag": "jgptq.methods.gptq_search"}
+            "gptq_search_diag": "jgptq.methods.gptq_search", "gptq_ef": "jgptq.methods.error_feedback",
+            "gptq_ef_half": "jgptq.methods.error_feedback"}
 _REGISTERED: dict = {}
 
 

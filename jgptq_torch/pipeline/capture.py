@@ -25,6 +25,12 @@ Calibration modes: ``routed`` (an expert sees the tokens the router sends it) an
 with ``all_experts``, the Hessian in that mode, sees every token at its gate/up and down inputs; the output still
 uses the routed rows only, so it is exactly the routed output; gate/up of all experts then share one state).
 Padding tokens (attention mask 0) never reach a statistic.
+
+Paired statistics (the error-feedback cross statistic, :attr:`jgptq.statistics.Statistic.paired`) read each
+weight's input beside the float model's input to it at the same token. A collector made with ``record=True`` (the
+float stream's, run on the float layer first for each batch) keeps that batch's inputs; the run's collector, given
+it as ``partner``, pairs its own rows with them (:mod:`jgptq_torch.pipeline.paired`) and feeds the paired
+statistics apart from the others. Without a partner they are never fed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from jgptq_torch.dlpack import to_jax
+from jgptq_torch.pipeline import paired
 from jgptq_torch.pipeline.experts_capture import (ACTIVE as _ACTIVE, IMPLEMENTATION, _grouped_on, _register,  # noqa: F401
                                      experts_forward, experts_implementation)
 from jgptq import statistics as stats
@@ -100,10 +107,15 @@ class Collector:
         float32 Hessian sum and the importance statistic).
       span: (lo, hi): the experts' statistics keep experts ``lo <= e < hi`` only, as entries ``e - lo`` (None: all).
         Routed token counts (:attr:`routed`) are kept for every expert.
+      record: keep each batch's inputs of every linear module and experts module (:attr:`recorded`, cleared as
+        the next batch starts), for a collector that pairs with this one (:attr:`partner`).
     """
 
-    def __init__(self, linears: dict, experts: dict, statistics: dict = None, span=None):
+    def __init__(self, linears: dict, experts: dict, statistics: dict = None, span=None, record: bool = False):
         self.linears, self.experts, self.span = linears, experts, span
+        self.record = record
+        self.recorded: dict = {}                  # record: module name -> its input in the current batch
+        self.partner = None                       # a recording Collector of the float layer on the float stream
         self.statistics = dict(stats.calibration() if statistics is None else statistics)
         self.states_of = {name: {} for name in self.statistics}   # statistic name -> key -> state
         self.tie: dict = {}                       # linear name -> state key
@@ -150,6 +162,7 @@ class Collector:
         self._keep = None if n == keep.numel() else keep
         self._keep_count = keep.numel()
         self.batch_tokens += n
+        self.recorded.clear()
         try:
             yield
         finally:
@@ -180,8 +193,16 @@ class Collector:
         return self._keep
 
     def _chain(self, all_experts=None) -> list:
-        """(name, statistic) of the chain, in order; only those whose ``all_experts`` is the given one, if any."""
-        return [(n, s) for n, s in self.statistics.items() if all_experts is None or s.all_experts == all_experts]
+        """(name, statistic) of the chain's unpaired statistics, in order; only those whose ``all_experts`` is the
+        given one, if any."""
+        return [(n, s) for n, s in self.statistics.items()
+                if not s.paired and (all_experts is None or s.all_experts == all_experts)]
+
+    def _paired_chain(self) -> list:
+        """(name, statistic) of the paired statistics, when a partner's inputs are there to pair with."""
+        if self.partner is None:
+            return []
+        return [(n, s) for n, s in self.statistics.items() if s.paired]
 
     def _add(self, key, x: torch.Tensor, keep, index=None, size=None, name="activations", chain=None):
         """Adds rows of x (N, C) where keep (N,) holds (None: all rows) to the states ``key`` of the statistics of
@@ -204,7 +225,8 @@ class Collector:
             xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
             for j, (_, statistic) in enumerate(chain):
                 if states[j] is None:
-                    states[j] = statistic.init(x.shape[-1], size, next(iter(xj.devices())))
+                    cols = x.shape[-1] // 2 if statistic.paired else x.shape[-1]
+                    states[j] = statistic.init(cols, size, next(iter(xj.devices())))
                 if m:
                     states[j] = statistic.update(states[j], xj, mj, index, name=name)
         for (s, _), state in zip(chain, states):
@@ -214,6 +236,8 @@ class Collector:
     def _linear_hook(self, name):
         def hook(module, args, output):
             x = args[0]
+            if self.record:
+                self.recorded[name] = x
             for seen, key in self._seen:
                 if seen is x:
                     break
@@ -223,11 +247,21 @@ class Collector:
                 key = name
                 self._seen.append((x, key))
                 rows = x.reshape(-1, x.shape[-1])
-                self._add(key, rows, self._rows_keep(rows.shape[0], name), name=name)
+                keep = self._rows_keep(rows.shape[0], name)
+                self._add(key, rows, keep, name=name)
+                chain = self._paired_chain()
+                if chain:
+                    self._add(key, paired.linear_pairs(self.partner, name, rows), keep, name=name, chain=chain)
             if self.tie.setdefault(name, key) != key:
                 raise RuntimeError(f"{name}: shares its input with {key!r} in one forward but with "
                                    f"{self.tie[name]!r} in another; the layer's data flow is not static")
         return hook
+
+    def experts_input(self, module, hidden_states: torch.Tensor):
+        """Called by :func:`experts_forward` with an experts module's (T, H) input tokens: kept when recording."""
+        name = self._module_names.get(id(module))
+        if self.record and name is not None:
+            self.recorded[name] = hidden_states
 
     def expert_inputs(self, module, e: int, x: torch.Tensor, h: torch.Tensor, tok: torch.Tensor):
         """Called by :func:`experts_forward` for expert ``e`` when a statistic sees every token
@@ -263,9 +297,13 @@ class Collector:
         if name is None:
             return
         n_exp, keep = self._count_routed(name, tok, counts)
-        for part, rows in (("gate_up", x), ("down", h)):
-            self._add_grouped((name, part), rows, counts, keep, n_exp,
-                              f"{name} {'gate/up' if part == 'gate_up' else part}", weights)
+        chain = self._paired_chain()
+        pairs = paired.expert_pairs(self.partner, module, name, x, h, tok, counts) if chain else None
+        for j, (part, rows) in enumerate((("gate_up", x), ("down", h))):
+            what = f"{name} {'gate/up' if part == 'gate_up' else part}"
+            self._add_grouped((name, part), rows, counts, keep, n_exp, what, weights)
+            if chain:
+                self._add_grouped((name, part), pairs[j], counts, keep, n_exp, what, weights, chain=chain)
 
     def stack_inputs(self, module, x: torch.Tensor, tok: torch.Tensor, counts: list, weights: torch.Tensor = None):
         """Called once per forward of an experts stack (:class:`jgptq_torch.models.StackLayout`) with the rows it
@@ -274,6 +312,9 @@ class Collector:
         name = self._module_names.get(id(module))
         if name is None:
             return
+        if self._paired_chain():
+            raise NotImplementedError(f"{name}: a method reading the float model's inputs (error_cross) does not "
+                                      "yet pair an experts stack's rows")
         n_exp, keep = self._count_routed(name, tok, counts)
         self._add_grouped((name, "weight"), x, counts, keep, n_exp, name, weights)
 
@@ -290,7 +331,7 @@ class Collector:
             self.routed[name][e] += n
         return n_exp, keep
 
-    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str, weights=None):
+    def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str, weights=None, chain=None):
         """Experts with about as many rows are padded to the same rows per slot and added together, one group of
         slots per call (:func:`_group_layout`); an expert with more than ``_MAX_ROWS`` rows is added in passes.
 
@@ -299,7 +340,7 @@ class Collector:
         device synchronization beyond one small copy of the group layout per call. With a span, only the kept
         experts are grouped (entries ``e - lo``). Statistics with a ``router_power`` get the block times
         ``weights ** (router_power / 2)`` (computed in float32, handed on in the rows' dtype), one update per
-        distinct power."""
+        distinct power. ``chain``: the statistics fed (default: every unpaired one)."""
         c, dev = rows.shape[-1], rows.device
         lo, hi = self._kept(n_exp)
         starts = [0] * n_exp
@@ -313,7 +354,7 @@ class Collector:
         layout = torch.tensor([[starts[e], counts[e]] if e >= 0 else [0, 0] for _, slots in groups for e in slots],
                               dtype=torch.long)
         layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
-        chain = self._chain()
+        chain = self._chain() if chain is None else chain
         states = [self.states_of[s].get(key) for s, _ in chain]
         powers: dict = {}                       # router power -> positions in the chain
         for j, (_, statistic) in enumerate(chain):
@@ -337,7 +378,8 @@ class Collector:
                     xj = to_jax(block, name=name)
                     for j in members:
                         if states[j] is None:
-                            states[j] = chain[j][1].init(c, hi - lo, next(iter(xj.devices())))
+                            cols = c // 2 if chain[j][1].paired else c
+                            states[j] = chain[j][1].init(cols, hi - lo, next(iter(xj.devices())))
                     members_chain = [chain[j][1] for j in members]
                     if shapes:   # this call's new group shapes compiled side by side, once per power
                         stats.compile_groups(members_chain, [states[j] for j in members], shapes, xj, mj)

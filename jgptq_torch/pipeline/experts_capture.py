@@ -86,6 +86,28 @@ def _grouped_linear(module, x: torch.Tensor, name: str, offsets: torch.Tensor, e
     return y
 
 
+def down_inputs(module, x: torch.Tensor, counts: list) -> torch.Tensor:
+    """The down projections' inputs of rows ``x`` sorted by expert (``counts[e]`` rows each; rows past their sum
+    are left out): each expert's activated up projection of its rows, computed as the forward computes it (grouped
+    products where :func:`_grouped_on`, else a loop). Returns (sum(counts), I)."""
+    lay = ExpertsLayout.of(module)
+    routed = sum(counts)
+    x = x[:routed]
+    if _grouped_on(x.device, x.dtype):
+        count_t = torch.as_tensor(counts, device=x.device)
+        offsets = torch.cumsum(count_t, 0, dtype=torch.int32)
+        expert = None
+        if flag(module, "has_bias"):
+            expert = torch.repeat_interleave(torch.arange(count_t.numel(), device=x.device), count_t)
+        return _activate(module, _grouped_linear(module, x, lay.up_name, offsets, expert))
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(_up_projection(module, lay, x[start:start + n], e))
+        start += n
+    return torch.cat(parts)
+
+
 def _grouped_experts(module, lay: ExpertsLayout, x: torch.Tensor, count_t: torch.Tensor):
     """All routed experts at once: rows ``x`` (R, H) sorted by expert, ``count_t`` (E,) rows per expert.
 
@@ -112,6 +134,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
       (T, H) in the dtype of ``hidden_states``: sum over the k routed experts of weight * expert(x).
     """
     collector = ACTIVE.get()
+    if collector is not None:
+        collector.experts_input(self, hidden_states)
     every = collector is not None and collector.all_experts
     lay = ExpertsLayout.of(self)
     n_exp = int(self.num_experts)

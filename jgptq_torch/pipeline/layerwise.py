@@ -130,7 +130,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     # in this order: the sink starts with the restored records; the offload's budget check counts the float
     # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
-                       float_stream.FloatStream() if float_stream.enabled(cfg, imatrix) else None,
+                       float_stream.FloatStream(cfg, imatrix) if float_stream.enabled(cfg, imatrix) else None,
                        hooks.WarmUp(), hooks.Offload()])
     has_experts = any(t.experts for t in run.targets)
     was_training = model.training
@@ -207,7 +207,7 @@ def _calibrate(run: Run, step: LayerStep) -> None:
     step.collector, step.outputs = calibrate(step.layer, i, target, statistics.of_config(cfg), step.hidden,
                                              step.layer_inputs, run.batch_list, span=step.span,
                                              keep_outputs=step.keep_outputs, desc=f"layer {i} calibrate{chunk}",
-                                             progress=cfg.progress)
+                                             progress=cfg.progress, partner=step.partner)
     if target.linears or target.experts:
         jax.block_until_ready([s for s in step.collector.states.values()])
         run.placement.note_hessians(step.collector.states)

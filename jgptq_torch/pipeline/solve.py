@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from jgptq_torch.pipeline import importance
 from jgptq_torch.dlpack import to_jax
-from jgptq import parallel
+from jgptq import methods, parallel
+from jgptq import statistics as stats_mod
 from jgptq.bucket import Stack, quantize_bucket
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
       stats: model parameter name -> :class:`jgptq.imatrix.ImatrixEntry` (the importance of GGML encoders; for
         experts, the rows of ``span``).
       span: (lo, hi): experts stacks take experts ``lo <= e < hi`` only (the collector's span: a chunk).
+
+    A stack's ``statistics`` hold the other statistics its method declares (e.g. the error-feedback cross
+    statistic), finalized from the collector under the Hessian's key (None where never fed).
     """
     out = []
     for m in target.matrices():
@@ -54,7 +58,10 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
         weight = m.weight()
         weight = to_jax(weight if (lo, hi) == (0, m.count) else weight[lo:hi], name=m.name)
         hkey = "" if key is None else f"{base}.{key if m.layout is None else m.module_name + '.' + key[1]}"
-        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp)))
+        others = [s for s in methods.get(plan.matrices[param].method).statistics
+                  if s not in (stats_mod.HESSIAN, stats_mod.IMATRIX) and s in collector.statistics]
+        extra = {s: None if key is None else collector.result(s, key) for s in others} or None
+        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp, extra)))
     return out
 
 

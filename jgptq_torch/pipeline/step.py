@@ -44,6 +44,7 @@ class LayerStep:
     keep_outputs: bool = False     # set by a hook that wants the calibration forward's outputs
     outputs: list = None           # they, when kept
     collector: object = None       # the calibration's Collector
+    partner: object = None         # a hook's float stream run beside the calibration (calibrate.Partner), or None
 
     @property
     def first(self) -> bool:
@@ -53,7 +54,7 @@ class LayerStep:
     def begin(self, span, target) -> None:
         """Starts the pass of routed experts ``span`` over ``target``; what the pass before kept is let go."""
         self.span, self.target = span, target
-        self.keep_outputs, self.outputs, self.collector = False, None, None
+        self.keep_outputs, self.outputs, self.collector, self.partner = False, None, None, None
 
 
 class Hook:
