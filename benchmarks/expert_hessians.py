@@ -30,7 +30,7 @@ def main(argv=None):
     import jax.numpy as jnp
     import torch
 
-    from jgptq_torch.pipeline import capture
+    from jgptq_torch.pipeline import capture, routed_groups
     from jgptq import hessian, statistics
 
     rng = np.random.default_rng(0)
@@ -47,7 +47,7 @@ def main(argv=None):
                 continue
             piece = x[starts[i]:starts[i] + counts[i]]
             m = piece.shape[0]
-            padded = torch.nn.functional.pad(piece, (0, 0, 0, capture._bucket(m) - m))
+            padded = torch.nn.functional.pad(piece, (0, 0, 0, routed_groups.padded_rows(m) - m))
             mask = torch.arange(padded.shape[0]) < m
             xj, mj = jnp.asarray(padded.numpy()), jnp.asarray(mask.numpy())
             state = hessian.accumulate_at(state, i, xj, mj, input_dtype=s["input_dtype"], check_finite=False)

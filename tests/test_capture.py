@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from jgptq_torch.pipeline import capture
-from jgptq_torch.pipeline import experts_capture
+from jgptq_torch.pipeline import experts_capture, routed_groups
 from jgptq_torch import models
 from jgptq import statistics
 from tests.tiny_models import build, token_ids
@@ -96,13 +96,13 @@ def test_expert_hessians_equal_a_float64_reference_and_exclude_padding(grouping,
     if grouping == "accelerator_slots":
         # the accelerator policies: last groups padded to at least an eighth of a level's largest group (empty
         # slots add nothing), the experts' forward as grouped matrix products
-        monkeypatch.setattr(capture, "_accelerator", lambda device: True)
+        monkeypatch.setattr(routed_groups, "accelerator", lambda device: True)
         monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: True)
     if grouping != "one_group":
         # experts accumulated a few at a time, their rows in several passes of 64 (the bucket floor)
-        monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3 if grouping != "accelerator_slots" else
+        monkeypatch.setattr(routed_groups, "GROUP_BYTES", 64 * 64 * 4 * 3 if grouping != "accelerator_slots" else
                             64 * 64 * 4 * 16)
-        monkeypatch.setattr(capture, "_MAX_ROWS", 64)
+        monkeypatch.setattr(routed_groups, "MAX_ROWS", 64)
     length = 16 if grouping == "one_group" else 96  # 96: some experts see more than 64 rows
 
     model = build("qwen3_moe")
@@ -137,8 +137,8 @@ def test_router_weighted_expert_hessians_equal_a_float64_reference(weighting, po
     import jgptq
 
     monkeypatch.setattr(experts_capture, "_grouped_on", lambda device, dtype: grouped)
-    monkeypatch.setattr(capture, "_GROUP_BYTES", 64 * 64 * 4 * 3)    # several groups, experts in passes of 64
-    monkeypatch.setattr(capture, "_MAX_ROWS", 64)
+    monkeypatch.setattr(routed_groups, "GROUP_BYTES", 64 * 64 * 4 * 3)    # several groups, experts in passes of 64
+    monkeypatch.setattr(routed_groups, "MAX_ROWS", 64)
     ids = token_ids(4, 96, seed=5)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
@@ -166,19 +166,19 @@ def test_group_layout_covers_each_expert_once_within_its_padding(accelerator):
     rng = np.random.default_rng(0)
     counts = [int(n) for n in rng.lognormal(7.5, 0.8, 128)]
     counts[5] = counts[9] = 0
-    groups = capture._group_layout(counts, 2048 * 2, accelerator)
+    groups = routed_groups.group_layout(counts, 2048 * 2, accelerator)
     seen = [e for _, slots in groups for e in slots if e >= 0]
     assert sorted(seen) == [e for e, n in enumerate(counts) if n]
     sizes = {}
     for p, slots in groups:
         g = len(slots)
-        assert g * p * 2048 * 2 <= capture._GROUP_BYTES and g & (g - 1) == 0
+        assert g * p * 2048 * 2 <= routed_groups.GROUP_BYTES and g & (g - 1) == 0
         real = sum(e >= 0 for e in slots)
         assert g < 2 * real or accelerator       # on an accelerator: at least an eighth of the largest
         sizes.setdefault(p, set()).add(g)
         for e in slots:
             if e >= 0:
-                n = min(counts[e], capture._MAX_ROWS)
+                n = min(counts[e], routed_groups.MAX_ROWS)
                 assert n <= p and (p == 64 or p < 2 * n), (n, p)
     if accelerator:   # a few programs per row size
         assert all(len(s) <= 4 for s in sizes.values())

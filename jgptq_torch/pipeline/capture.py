@@ -9,7 +9,8 @@ The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian
   a shared expert's gate/up) share one state: the tie is observed, not listed per model;
 - the ``"jgptq_capture"`` experts implementation, registered with transformers' ``ExpertsInterface`` and selected
   with ``model.set_experts_implementation`` (:mod:`jgptq_torch.pipeline.experts_capture`): it computes the layer output like
-  the eager loop and hands each expert's gate/up input rows and down input rows to the active :class:`Collector`.
+  the eager loop and hands each expert's gate/up input rows and down input rows to the active :class:`Collector`,
+  which adds them a group of experts at a time (:mod:`jgptq_torch.pipeline.routed_groups`).
 
 Experts that transformers does not dispatch reach the same collector from hooks on their unchanged forwards: Llama
 4's (:mod:`jgptq_torch.pipeline.prescaled_capture`) and stacks of E matrices that are modules of their own, JetMoe's
@@ -41,51 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from jgptq_torch.dlpack import to_jax
-from jgptq_torch.pipeline import paired
+from jgptq_torch.pipeline import paired, routed_groups
 from jgptq_torch.pipeline.experts_capture import (ACTIVE as _ACTIVE, IMPLEMENTATION, _grouped_on, _register,  # noqa: F401
                                      experts_forward, experts_implementation)
 from jgptq import statistics as stats
-
-_MAX_ROWS = 1 << 13
-_GROUP_BYTES = 1 << 30  # padded rows of one group of experts passed to the accumulation at once
-
-
-def _bucket(n: int) -> int:
-    """Rows a batch of ``n`` rows is padded to: a power of two from 64 to 8192, so that the jitted accumulation
-    compiles for a handful of shapes only (padding rows are zero and masked out of the token count)."""
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _accelerator(device: torch.device) -> bool:
-    """Whether groups take the accelerator layout of :func:`_group_layout` (any device but the CPU)."""
-    return device.type != "cpu"
-
-
-def _group_layout(counts: list, bytes_per_row: int, accelerator: bool) -> list:
-    """How a forward's routed experts are added: [(rows per slot p, experts of the slots, -1 for padding)].
-
-    Experts with the same :func:`_bucket` of rows share groups of at most ``_GROUP_BYTES`` of padded input (a
-    power of two of slots). Every slot is a full (p, C) x (p, C) product, padding slots included, and every
-    distinct (slots, p, C) shape compiles one accumulation program; each call costs the host about a millisecond
-    of dispatch, so groups are few and large. A level's last group is padded to the next power of two of its
-    members; on an accelerator to at least an eighth of the level's largest group, which bounds the programs per
-    level at four (padding every last group to the largest group wasted up to 125 slots' products a level).
-    """
-    levels: dict = {}
-    for e, n in enumerate(counts):
-        if n:
-            levels.setdefault(_bucket(min(n, _MAX_ROWS)), []).append(e)
-    cap = 1 << (len(counts) - 1).bit_length()
-    groups = []
-    for p, members in sorted(levels.items()):
-        most = max(1, _GROUP_BYTES // (p * bytes_per_row))
-        most = min(cap, 1 << (most.bit_length() - 1))
-        least = max(1, most // 8) if accelerator else 1
-        for i in range(0, len(members), most):
-            chunk = members[i:i + most]
-            g = min(most, max(least, 1 << (len(chunk) - 1).bit_length()))
-            groups.append((p, chunk + [-1] * (g - len(chunk))))
-    return groups
 
 
 class Collector:
@@ -214,12 +174,12 @@ class Collector:
             x = x[keep]
         n = x.shape[0]
         states = [self.states_of[s].get(key) for s, _ in chain]
-        for start in range(0, max(n, 1), _MAX_ROWS):
-            piece = x[start:start + _MAX_ROWS]
+        for start in range(0, max(n, 1), routed_groups.MAX_ROWS):
+            piece = x[start:start + routed_groups.MAX_ROWS]
             m = piece.shape[0]
             if m == 0 and all(state is not None for state in states):
                 break
-            p = _bucket(m)
+            p = routed_groups.padded_rows(m)
             padded = F.pad(piece, (0, 0, 0, p - m)) if p != m else piece
             mask = torch.arange(p, device=piece.device) < m
             xj, mj = to_jax(padded, name=name), to_jax(mask, name=name + " mask")
@@ -332,61 +292,14 @@ class Collector:
         return n_exp, keep
 
     def _add_grouped(self, key, rows, counts: list, keep, n_exp: int, name: str, weights=None, chain=None):
-        """Experts with about as many rows are padded to the same rows per slot and added together, one group of
-        slots per call (:func:`_group_layout`); an expert with more than ``_MAX_ROWS`` rows is added in passes.
-
-        ``rows`` are sorted by expert (``counts[e]`` each). A group's padded block is one gather of ``rows`` at
-        computed positions (padding positions read any row and are masked out), so that packing needs no
-        device synchronization beyond one small copy of the group layout per call. With a span, only the kept
-        experts are grouped (entries ``e - lo``). Statistics with a ``router_power`` get the block times
-        ``weights ** (router_power / 2)`` (computed in float32, handed on in the rows' dtype), one update per
-        distinct power. ``chain``: the statistics fed (default: every unpaired one)."""
-        c, dev = rows.shape[-1], rows.device
-        lo, hi = self._kept(n_exp)
-        starts = [0] * n_exp
-        for e in range(1, n_exp):
-            starts[e] = starts[e - 1] + counts[e - 1]
-        kept = [n if lo <= e < hi else 0 for e, n in enumerate(counts)]
-        groups = _group_layout(kept, c * rows.element_size(), _accelerator(dev))
-        if not groups:
-            return
-        # the layout of every group (first row, rows) in one small host-to-device copy
-        layout = torch.tensor([[starts[e], counts[e]] if e >= 0 else [0, 0] for _, slots in groups for e in slots],
-                              dtype=torch.long)
-        layout = layout.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else layout.to(dev)
+        """Adds routed ``rows`` (sorted by expert, ``counts[e]`` each) to the stacked states ``key`` of the
+        statistics of ``chain`` (default: every unpaired one), a group of experts at a time
+        (:func:`jgptq_torch.pipeline.routed_groups.add_grouped`); with a span, the kept experts only."""
         chain = self._chain() if chain is None else chain
-        states = [self.states_of[s].get(key) for s, _ in chain]
-        powers: dict = {}                       # router power -> positions in the chain
-        for j, (_, statistic) in enumerate(chain):
-            powers.setdefault(statistic.router_power if weights is not None else 0.0, []).append(j)
-        scales = {pw: weights.float().pow(pw / 2) for pw in powers if pw}
-        at, shapes = 0, [(len(slots), p) for p, slots in groups]
-        for p, slots in groups:
-            g = len(slots)
-            first, size = layout[at:at + g, 0, None], layout[at:at + g, 1, None]
-            at += g
-            span = torch.arange(p, device=dev)
-            index = [(e if e >= 0 else slots[0]) - lo for e in slots]  # padding slots add nothing
-            for offset in range(0, max(counts[e] for e in slots if e >= 0), p):
-                valid = (offset + span) < size                                   # (g, p)
-                idx = torch.where(valid, first + offset + span, 0)
-                padded = rows[idx]
-                mask = valid if keep is None else valid & keep[idx]
-                mj = to_jax(mask, name=name + " mask")
-                for pw, members in powers.items():
-                    block = (padded.float() * scales[pw][idx, None]).to(rows.dtype) if pw else padded
-                    xj = to_jax(block, name=name)
-                    for j in members:
-                        if states[j] is None:
-                            cols = c // 2 if chain[j][1].paired else c
-                            states[j] = chain[j][1].init(cols, hi - lo, next(iter(xj.devices())))
-                    members_chain = [chain[j][1] for j in members]
-                    if shapes:   # this call's new group shapes compiled side by side, once per power
-                        stats.compile_groups(members_chain, [states[j] for j in members], shapes, xj, mj)
-                    got = stats.update_group(members_chain, [states[j] for j in members], index, xj, mj, name=name)
-                    for j, state in zip(members, got):
-                        states[j] = state
-                shapes = None
+        states = routed_groups.add_grouped(chain, [self.states_of[s].get(key) for s, _ in chain], rows, counts,
+                                           keep, self._kept(n_exp), name, weights)
+        if states is None:
+            return
         for (s, _), state in zip(chain, states):
             self.states_of[s][key] = state
 
