@@ -5,7 +5,7 @@ The model: the ``deep`` model of ``python -m benchmarks target_bpw`` (4 layers, 
 batches of 32), its importance matrix (a jgptq round-to-nearest Q8_0 run, kept beside the cached model) and its
 candidates (``target_bpw``'s ``TARGET_FORMATS``). The first budget is that benchmark's Q2_K_S size.
 
-Timed: :func:`jgptq_torch.pipeline.sensitivity.choose` as ``quantize_moe(target_bpw=...)`` runs it, from a fresh
+Timed: :func:`jgptq_torch.pipeline.layerwise.choose_formats` as ``quantize_moe(target_bpw=...)`` runs it, from a fresh
 compilation cache (a first run on a machine), with its progress lines; its ``seconds`` split the Fisher gain pass
 from the measurement. The machine's load (``os.getloadavg``) is recorded before and after: the 2-core machine
 this runs on is shared.
@@ -77,12 +77,12 @@ def _setup(args):
 def _pass(model, calib, imat, batch, formats, bpw, stride):
     """(allocation record, wall seconds, this process's CPU seconds) of one first pass."""
     from jgptq import PipelineConfig
-    from jgptq_torch.pipeline.sensitivity import choose
+    from jgptq_torch.pipeline.layerwise import choose_formats
 
     cfg = PipelineConfig.build(None, format=formats[0], target_bpw=bpw, target_formats=formats, batch_size=batch,
                                progress=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    _, allocation = choose(model, calib, cfg, device="cpu", imatrix=imat, stride=stride)
+    _, allocation = choose_formats(model, calib, cfg, device="cpu", imatrix=imat, stride=stride)
     return allocation, time.perf_counter() - t0, time.process_time() - c0
 
 

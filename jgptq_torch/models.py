@@ -335,3 +335,15 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
                 skipped.append((f"{name}.{pname}" if name else pname, f"{cls} parameter"))
     return LayerTargets(linears, experts, skipped)
 
+
+def nothing_to_quantize(model, prefix: str, layers, targets, exclude) -> str:
+    """The message of a model without a weight to quantize: everything excluded, or an architecture whose decoder
+    layers hold their matrices in modules jgptq does not quantize (naming those module classes)."""
+    name = type(model).__name__
+    if exclude and any(t.matrices() for t in targets):
+        return f"{name}: nothing to quantize (no linear or experts weights in {prefix} after exclusions {list(exclude)})"
+    kinds = sorted({type(m).__name__ for layer in layers[:1] for m in layer.modules()
+                    if getattr(m, "weight", None) is not None and getattr(m.weight, "ndim", 0) >= 2})
+    held = f" (its matrices are in {', '.join(kinds)} modules)" if kinds else ""
+    return (f"{name}: this architecture has no torch.nn.Linear or transformers experts weights in its decoder layers "
+            f"({prefix}){held}; jgptq quantizes those only, so there is nothing to quantize")

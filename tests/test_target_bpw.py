@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import jgptq
-from jgptq_torch.pipeline import gains
-from jgptq_torch.pipeline import sensitivity
+from jgptq_torch.pipeline import gains, measure, sensitivity
 from jgptq.export import GGMLWeight
 from tests.tiny_models import build, token_ids
 
@@ -77,7 +76,7 @@ def test_a_resumed_run_takes_the_allocation_over_and_writes_the_same_bytes(gptq_
     def never(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(sensitivity, "measure", never)
+    monkeypatch.setattr(measure, "Measure", never)
     monkeypatch.setattr(gains, "fisher_gains", never)
     again = jgptq.quantize_moe(copy.deepcopy(ref), CALIB, **OPTS, **GGML, checkpoint_dir=work)
     assert again.report.allocation == result.report.allocation
@@ -146,7 +145,7 @@ def test_integer_grids_get_bits_per_group_under_the_budget():
 
 
 def test_a_target_below_every_candidate_is_refused_before_any_work(monkeypatch):
-    monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(measure, "Measure", lambda *a, **k: pytest.fail("measured"))
     with pytest.raises(ValueError) as err:
         jgptq.quantize_moe(build("qwen3_moe"), CALIB, **OPTS, format="q8_0", target_bpw=3.0,
                            target_formats=("q4_0", "q8_0"), exclude=("o_proj",))
@@ -198,7 +197,7 @@ def test_on_cuda_a_model_in_host_memory_gets_its_gains_on_the_device_and_its_bud
         seen.append({p.device.type for p in m.parameters()})
         return original(m, batch_list, **kw)
 
-    monkeypatch.setattr(gains, "fisher_gains", watch)   # choose() imports it from the module when it runs
+    monkeypatch.setattr(gains, "fisher_gains", watch)   # FirstPass.gains imports it from the module when it runs
     result = jgptq.quantize_moe(model, CALIB, **OPTS, format="q4_k", device="cuda", target_bpw=3.0,
                                 target_formats=("iq2_xxs", "q2_k", "iq3_xxs", "q4_k", "q6_k"))
     assert seen == [{"cuda"}] and {p.device.type for p in model.parameters()} == {"cpu"}

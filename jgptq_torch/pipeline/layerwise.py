@@ -36,6 +36,11 @@ resumable run, written after every layer when ``checkpoint_dir`` is given (:mod:
 compiling a new layer's solves ahead (:func:`jgptq_torch.pipeline.solve.warm_solves`), the float model's stream
 (:mod:`jgptq_torch.pipeline.float_stream`) and a ``sink`` that writes the records as the layers finish.
 
+A ``target_bpw`` run first chooses its formats (:func:`choose_formats`): a first pass of the same layer step over
+every layer, with the measurement as its only hook (:class:`jgptq_torch.pipeline.measure.Measure`: each step ends
+after its calibration, whose float outputs are the next layer's inputs), then the allocation
+(:mod:`jgptq_torch.pipeline.sensitivity`); the run that follows is the one above, under the chosen assignment.
+
 All of a layer's Hessians come from the float layer (its modules are not solved one after the other): this lets
 every same-shape matrix of the layer go into a single batched solve, the form that spreads over devices. Error
 from earlier layers does propagate (step 4). Written-back weights are the dequantized values cast to the
@@ -67,7 +72,9 @@ from jgptq_torch.pipeline import (
 )
 from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, Measure
 from jgptq_torch.pipeline.run_setup import Run
+from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq_torch.pipeline.step import Hooks, LayerStep
 from jgptq_torch.progress import LayerProgress, stage_bar
@@ -120,10 +127,8 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     model = torch_model
     allocation = None
     if cfg.target_bpw is not None and not cfg.assignment:   # the formats under the budget: a first pass
-        from jgptq_torch.pipeline.sensitivity import choose
-
-        cfg, allocation = choose(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
-                                 checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
+        cfg, allocation = choose_formats(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
+                                         checkpoint_dir=checkpoint_dir, resume=resume, imatrix=imatrix)
     run = run_setup.prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source)
     run.report.allocation = allocation or {}
     saved = None if checkpoint_dir is None else hooks.Resume.open(run, checkpoint_dir, resume, source)
@@ -132,13 +137,46 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
                        float_stream.FloatStream(cfg, imatrix) if float_stream.enabled(cfg, imatrix) else None,
                        hooks.WarmUp(), hooks.Offload()])
+    _run_pass(run, 0 if saved is None else saved.done)
+    for w in run.report.warnings:
+        if w not in run.said:
+            warnings.warn(w, stacklevel=2)
+    return run.result
+
+
+def choose_formats(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
+                   resume: bool = True, imatrix=None, stride: int = EXPERT_ROW_STRIDE) -> tuple:
+    """The first pass of a ``target_bpw`` run (:mod:`jgptq_torch.pipeline.sensitivity`): the layer step of every
+    layer with the measurement as its hook (:class:`jgptq_torch.pipeline.measure.Measure`), then the allocation.
+    Returns (the config with its ``assignment``, the allocation record).
+
+    Args: as :func:`quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``);
+      ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole).
+    Raises:
+      ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
+    """
+    first = FirstPass(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
+                        imatrix=imatrix, checkpoint_dir=checkpoint_dir, resume=resume, stride=stride)
+    if first.allocation is None:   # not taken over from a resumed run's allocation.json
+        measuring = Measure(first.layout.free, first.gains(), stride)
+        first.run.hooks = Hooks([measuring])
+        _run_pass(first.run, 0, desc="jgptq target_bpw pass")
+        first.allocate(measuring.costs, measuring.gains)
+    return cfg.build(cfg, assignment=assignment_of(first.allocation)), first.allocation
+
+
+def _run_pass(run: Run, start: int, desc: str = "jgptq layers") -> None:
+    """Runs the layers from ``start`` (:func:`_run_layers`; ``desc``: the progress's title) with the model in
+    eval mode, without gradients and with the capture experts implementation, then the hooks' ``finish``;
+    ``close`` at the end, whatever happens."""
+    model = run.result.model
     has_experts = any(t.experts for t in run.targets)
     was_training = model.training
     model.eval()
     error = None
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if has_experts else contextlib.nullcontext()):
-            _run_layers(run, 0 if saved is None else saved.done)
+            _run_layers(run, start, desc)
         run.hooks.finish(run)
     except BaseException as exc:
         error = exc
@@ -147,13 +185,9 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
         run.stores.close()
         model.train(was_training)
         run.hooks.close(run, error)
-    for w in run.report.warnings:
-        if w not in run.said:
-            warnings.warn(w, stacklevel=2)
-    return run.result
 
 
-def _run_layers(run: Run, start: int) -> None:
+def _run_layers(run: Run, start: int, desc: str = "jgptq layers") -> None:
     """Captures the inputs of layer ``start``, then runs :func:`_layer_step` on every layer from there, with the
     run's hooks around it (:mod:`jgptq_torch.pipeline.step`)."""
     n, report = len(run.layers), run.report
@@ -166,7 +200,7 @@ def _run_layers(run: Run, start: int) -> None:
             hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
         hidden = run.hooks.inputs(run, start, hidden, layer_inputs)
         report.add_time(start, "capture", time.perf_counter() - t0)
-    progress = LayerProgress(start, n, enabled=run.cfg.progress, eta=True)
+    progress = LayerProgress(start, n, enabled=run.cfg.progress, desc=desc, eta=True)
     for i in progress:
         run.hooks.before_layer(run, i)
         hidden = _layer_step(run, i, run.layers[i], hidden, layer_inputs, stage=progress.stage)
@@ -186,6 +220,8 @@ def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage
         stage("calibrate")
         _calibrate(run, step)
         run.hooks.after_calibrate(run, step)
+        if step.next_inputs is not None:   # a pass that measures (target_bpw's first): nothing is solved
+            return step.next_inputs
         stage("solve")
         passes.add(run, span, *_solve(run, step))
     solved = passes.joined(run, step.imatrix)

@@ -1,8 +1,8 @@
 """The measurement of ``target_bpw``'s first pass: what every candidate format costs every free matrix.
 
-The float model runs layer by layer, as the pipeline does, but each layer's outputs come from its float weights
-(the calibration forward's own outputs), so every layer is measured against float inputs and no candidate's error
-leaks into another layer's figures. For each layer, its free matrices are solved under every candidate (the
+The float model runs layer by layer through the pipeline's own layer step, with :class:`Measure` as its hook, but
+each layer's outputs come from its float weights (the calibration forward's own outputs), so every layer is
+measured against float inputs and no candidate's error leaks into another layer's figures. For each layer, its free matrices are solved under every candidate (the
 run's method and the candidate's plan, :func:`jgptq.bucket.quantize_bucket`) and each matrix's cost is
 ``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2`` (:mod:`jgptq_torch.pipeline.sensitivity`).
 
@@ -35,14 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq import plan as plan_mod
-from jgptq import statistics
 from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
 from jgptq.objective import hessian_loss
-from jgptq_torch.pipeline import importance
-from jgptq_torch.pipeline.calibrate import calibrate
-from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline import importance, run_setup
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
-from jgptq_torch.progress import LayerProgress
+from jgptq_torch.pipeline.step import Hook, LayerStep
 
 EXPERT_ROW_STRIDE = 8   # one row in this many of every expert matrix is solved
 CHUNK_ROWS = 128        # rows of one solved chunk
@@ -183,33 +180,52 @@ def whole_costs(collector, stacks: list, free: dict, gains, threshold: int, devi
     return out
 
 
-def measure(run, free: dict, gains, *, stride: int = EXPERT_ROW_STRIDE) -> dict:
-    """param -> {format: float64 (count,) costs}: every free matrix (``free``: the run's
-    :attr:`jgptq_torch.pipeline.sensitivity.Layout.free`) measured under each of its candidates, layer by layer
-    on float inputs (module docstring). ``run``: a :class:`jgptq_torch.pipeline.run_setup.Run` of a probe
-    config; ``stride``: experts' rows sampled one in ``stride`` (0: every matrix solved whole,
-    :func:`whole_costs`)."""
-    cfg, placement, report = run.cfg, run.placement, run.report
-    placement.prepare()
-    hidden, layer_inputs = capture_inputs(run.result.model, run.layers, run.batch_list, run.device)
-    costs: dict = {}
-    for i in LayerProgress(0, len(run.layers), enabled=cfg.progress, desc="jgptq target_bpw pass", eta=True):
-        t0 = time.perf_counter()
-        layer = placement.fetch(i)
-        target = run.targets[i]
-        collector, outputs = calibrate(layer, i, target, statistics.of_config(cfg), hidden, layer_inputs, run.batch_list,
-                                       keep_outputs=True)
-        stats = importance.layer_imatrix(collector, run.prefix, i, target)
-        stacks = [s for s in layer_stacks(collector, target, f"{run.prefix}.{i}", run.plan, cfg,
-                                          stats if run.given is None else run.given) if s[1] in free]
+class Measure(Hook):
+    """The measurement as the hook of the layer step (:mod:`jgptq_torch.pipeline.step`) of a probe run
+    (:class:`jgptq_torch.pipeline.run_setup.Run`): every free matrix (``free``: the run's
+    :attr:`jgptq_torch.pipeline.sensitivity.Layout.free`) measured under each of its candidates, layer by layer on
+    float inputs (module docstring), into :attr:`costs` (param -> {format: float64 (count,) costs}). ``gains``:
+    param -> per-expert gains, or None (1); ``stride``: experts' rows sampled one in ``stride`` (0: every matrix
+    solved whole, :func:`whole_costs`).
+
+    It places the layers itself (each fetched before its step and put back after it; whole layers: no chunks of
+    routed experts, whose samples would be other rows) and ends each step after its calibration, whose outputs
+    (the float layer's) are the next layer's inputs. Each layer's time is its ``sensitivity`` stage."""
+
+    def __init__(self, free: dict, gains, stride: int = EXPERT_ROW_STRIDE):
+        self.free, self.gains, self.stride = free, gains, stride
+        self.costs: dict = {}
+        self.t0 = 0.0
+
+    def start(self, run, first: int) -> None:
+        run.placement.chunks = {}
+        run.placement.prepare()
+
+    def before_layer(self, run, i: int) -> None:
+        self.t0 = time.perf_counter()
+        run.placement.fetch(i)
+
+    def before_calibrate(self, run, step: LayerStep) -> None:
+        step.keep_outputs = True
+
+    def after_calibrate(self, run, step: LayerStep) -> None:
+        i, collector, cfg = step.index, step.collector, run.cfg
+        stats = importance.layer_imatrix(collector, run.prefix, i, step.target)
+        stacks = [s for s in layer_stacks(collector, step.target, f"{run.prefix}.{i}", run.plan, cfg,
+                                          stats if run.given is None else run.given) if s[1] in self.free]
         threshold = cfg.moe.threshold(collector.batch_tokens)
-        costs.update(layer_costs(collector, stacks, free, gains, threshold, run.devices, stride) if stride
-                     else whole_costs(collector, stacks, free, gains, threshold, run.devices))
+        self.costs.update(
+            layer_costs(collector, stacks, self.free, self.gains, threshold, run.devices, self.stride) if self.stride
+            else whole_costs(collector, stacks, self.free, self.gains, threshold, run.devices))
         collector.release()
-        placement.put_back(i)
-        hidden = outputs
-        report.add_time(i, "sensitivity", time.perf_counter() - t0)
-    return costs
+        step.next_inputs = step.outputs
+
+    def after_layer(self, run, i: int, hidden) -> None:
+        run.placement.put_back(i)
+        run.report.add_time(i, "sensitivity", time.perf_counter() - self.t0)
+
+    def close(self, run, error) -> None:
+        run_setup.finish(run.placement, error is not None)
 
 
 def work_ratio(free: dict, stride: int = EXPERT_ROW_STRIDE) -> float:

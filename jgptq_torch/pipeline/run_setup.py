@@ -50,26 +50,13 @@ class Run:
         return self.result.report
 
 
-def _nothing_to_quantize(model, prefix: str, layers, targets, exclude) -> str:
-    """The message of a model without a weight to quantize: everything excluded, or an architecture whose decoder
-    layers hold their matrices in modules jgptq does not quantize (naming those module classes)."""
-    name = type(model).__name__
-    if exclude and any(t.matrices() for t in targets):
-        return f"{name}: nothing to quantize (no linear or experts weights in {prefix} after exclusions {list(exclude)})"
-    kinds = sorted({type(m).__name__ for layer in layers[:1] for m in layer.modules()
-                    if getattr(m, "weight", None) is not None and getattr(m.weight, "ndim", 0) >= 2})
-    held = f" (its matrices are in {', '.join(kinds)} modules)" if kinds else ""
-    return (f"{name}: this architecture has no torch.nn.Linear or transformers experts weights in its decoder layers "
-            f"({prefix}){held}; jgptq quantizes those only, so there is nothing to quantize")
-
-
 def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None) -> Run:
     """Every check and decision that comes before any work: targets, the plan, names, calibration, budget
     (``source``: the :class:`jgptq_torch.source.stream.StreamedLayers` of a streamed model, or None)."""
     prefix, layers = models.find_decoder_layers(model)
     targets, plan = plan_layers(prefix, layers, cfg)
     if not plan.matrices:
-        raise ValueError(_nothing_to_quantize(model, prefix, layers, targets, cfg.exclude))
+        raise ValueError(models.nothing_to_quantize(model, prefix, layers, targets, cfg.exclude))
     if imatrix is not None:
         importance.check_imatrix(imatrix, prefix, targets)
     specs = {m.param_name(f"{prefix}.{i}"): (m.experts, m.rows, m.transposed)

@@ -12,7 +12,8 @@ the fixed matrices with their sizes, and for every free matrix its candidates (:
 each with its exact size and the plan the first pass solves it with. The reach check, the line that says what the
 pass will do, the measurement and the allocation all read it.
 
-Measure (:func:`jgptq_torch.pipeline.measure.measure`). The float model runs layer by layer on float inputs and
+Measure (:class:`jgptq_torch.pipeline.measure.Measure`, the hook of the pipeline's layer step in this pass:
+:func:`jgptq_torch.pipeline.layerwise.choose_formats`). The float model runs layer by layer on float inputs and
 every free matrix is solved under every candidate; each matrix's cost is ``1/2 G * s * tr((W - Q) H (W - Q)^T) / 2``:
 the GPTQ objective of the solved weight ``Q`` on its Hessian ``H = 2/N sum x x^T`` (the mean squared output error
 over the tokens it saw), times ``s``, the share of the layer's calibration tokens it saw (experts: their routed
@@ -21,7 +22,7 @@ gain the sum over all matrices is a second-order estimate of the mean next-token
 ``predicted_objective``. Experts' costs are estimated from a sample of their rows (the trace is a sum over rows),
 other matrices are solved whole; the measure module says how and what that costs in quality.
 
-Allocate (:func:`choose`). Sizes are exact (:func:`jgptq.allocate.tensor_bits`); the budget is
+Allocate (:meth:`FirstPass.allocate`). Sizes are exact (:func:`jgptq.allocate.tensor_bits`); the budget is
 ``floor(target_bpw * weights)`` bits over every decoder-layer target (fixed ones included); the groups get their
 formats from :func:`jgptq.allocate.allocate`. The choice becomes the run's ``assignment`` (parameter -> format),
 which :func:`jgptq.plan.plan_matrix` applies, so the second pass is the normal pipeline and its export, report
@@ -47,9 +48,8 @@ from jgptq import allocate as alloc
 from jgptq import plan as plan_mod
 from jgptq.surface import on_command_line, option
 from jgptq_torch import models
-from jgptq_torch.pipeline import capture, run_setup
 from jgptq_torch.pipeline import measure as measure_mod
-from jgptq_torch.pipeline.measure import measure
+from jgptq_torch.pipeline import run_setup
 
 ALLOCATION_FILE = "allocation.json"
 
@@ -104,22 +104,17 @@ def _layout(cfg, prefix: str, layers) -> Layout:
         for m in t.matrices():
             param = m.param_name(f"{prefix}.{i}")
             weights += m.count * m.rows * m.cols
-            rule = plan_mod.first_rule(cfg, m.name)
-            if rule is not None:
-                plan, _ = plan_mod.plan_matrix(cfg, plan_mod.Target(m.name, i, m.cols, param), len(layers), n_expert)
-                fmt = "float" if plan is None else (plan.format if plan.quant.is_ggml else f"int{plan.quant.bits}")
-                fixed[param] = (fmt, alloc.tensor_bits(fmt, m.rows, m.cols, m.count, cfg.quant))
-                continue
-            names = alloc.candidates(cfg, m.cols)
-            if not names:
+            target = plan_mod.Target(m.name, i, m.cols, param, m.layout is not None)
+            held, candidates = plan_mod.budget_options(cfg, target, m.rows, m.count, len(layers), n_expert)
+            if held is not None:
+                fixed[param] = held
+            elif not candidates:
                 offered = ", ".join(cfg.target_formats) or "the default family"
                 raise ValueError(f"{param}: no candidate format of target_bpw ({offered}) fits its {m.cols} input "
                                  f"columns; give it a format with {option('formats')} or leave it unquantized "
                                  f"with {option('exclude')}")
-            target = plan_mod.Target(m.name, i, m.cols, param, m.layout is not None)
-            free[param] = Free(i, group_name(m.name), m, {
-                f: Candidate(alloc.tensor_bits(f, m.rows, m.cols, m.count, cfg.quant),
-                             plan_mod.plan_matrix(cfg, target, len(layers), 0, candidate=f)[0]) for f in names})
+            else:
+                free[param] = Free(i, group_name(m.name), m, {f: Candidate(*c) for f, c in candidates.items()})
     return Layout(free, fixed, weights)
 
 
@@ -258,57 +253,62 @@ def assignment_of(allocation: dict) -> tuple:
     return tuple(sorted((p, g["format"]) for g in allocation["groups"] for p in g["params"]))
 
 
-def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
-           resume: bool = True, imatrix=None, stride: int = measure_mod.EXPERT_ROW_STRIDE) -> tuple:
-    """The first pass of a ``target_bpw`` run: (the config with its ``assignment``, the allocation record).
+class FirstPass:
+    """What the first pass of a ``target_bpw`` run under ``cfg`` knows before its measurement, and the allocation
+    it ends with (:func:`jgptq_torch.pipeline.layerwise.choose_formats` runs the layers in between).
 
-    Args: as :func:`jgptq.quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``);
-      ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole;
-      :func:`jgptq_torch.pipeline.measure.measure`).
+    Made before any work: the :class:`Layout` (the budget's reach checked, the pass said with ``progress``), the
+    probe :class:`jgptq_torch.pipeline.run_setup.Run` the layers run in (``run``), and, with ``checkpoint_dir``,
+    the allocation a resumed run takes over from ``allocation.json`` (``allocation``; None: to be measured).
+    Arguments as :func:`jgptq.quantize_moe`; ``stride``: as :class:`jgptq_torch.pipeline.measure.Measure`.
+
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
-    from jgptq_torch.pipeline import resume as resume_mod
-    from jgptq_torch.pipeline.gains import fisher_gains
 
-    prefix, layers = models.find_decoder_layers(model)
-    layout = _layout(cfg, prefix, layers)
-    _check_reachable(cfg, *layout)   # before any work
-    if cfg.progress:
-        print(plan_line(cfg, *layout, len(layers), stride), file=sys.stderr, flush=True)
-    saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
-    probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
-                      quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
-    run = run_setup.prepare(model, calib, probe, tokenizer, device, devices, imatrix)
-    key = None
-    if saved is not None:
-        key = resume_mod.fingerprint(model, run.batch_list, cfg, len(layers), imatrix=imatrix)
-        key = {k: key[k] for k in ("model", "calibration", "config")}
-    if saved is not None and resume and saved.exists():
-        stored = json.loads(saved.read_text())
-        if stored.get("fingerprint") == key:
-            allocation = stored["allocation"]
-            return cfg.build(cfg, assignment=assignment_of(allocation)), allocation
-    t0 = time.perf_counter()
-    gains = None
-    if cfg.target_gain == "fisher":
-        with _on_run_device(model, run.device):
-            gains = fisher_gains(model, run.batch_list, decoder=(run.prefix, run.layers, run.targets))
-    gain_seconds = time.perf_counter() - t0
-    failed, was_training = True, model.training
-    model.eval()
-    try:
-        with torch.no_grad(), (capture.experts_implementation(model) if any(
-                t.experts for t in run.targets) else contextlib.nullcontext()):
-            costs = measure(run, layout.free, gains, stride=stride)
-        failed = False
-    finally:
-        model.train(was_training)
-        run_setup.finish(run.placement, failed)
-    allocation = allocation_of(cfg, *layout, costs, gains)
-    allocation["seconds"] = {"gains": gain_seconds,
-                             "sensitivity": sum(t.get("sensitivity", 0.0) for t in run.report.timings.values())}
-    if saved is not None:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"fingerprint": key, "allocation": allocation}))
-    return cfg.build(cfg, assignment=assignment_of(allocation)), allocation
+    def __init__(self, model, calib, cfg, *, tokenizer=None, device=None, devices=None, imatrix=None,
+                 checkpoint_dir=None, resume: bool = True, stride: int = measure_mod.EXPERT_ROW_STRIDE):
+        from jgptq_torch.pipeline import resume as resume_mod
+
+        prefix, layers = models.find_decoder_layers(model)
+        self.cfg, self.layout = cfg, _layout(cfg, prefix, layers)
+        _check_reachable(cfg, *self.layout)   # before any work
+        if cfg.progress:
+            print(plan_line(cfg, *self.layout, len(layers), stride), file=sys.stderr, flush=True)
+        self.saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
+        probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
+                          quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
+        self.run = run_setup.prepare(model, calib, probe, tokenizer, device, devices, imatrix)
+        self.key, self.allocation, self.gain_seconds = None, None, 0.0
+        if self.saved is not None:
+            key = resume_mod.fingerprint(model, self.run.batch_list, cfg, len(layers), imatrix=imatrix)
+            self.key = {k: key[k] for k in ("model", "calibration", "config")}
+        if self.saved is not None and resume and self.saved.exists():
+            stored = json.loads(self.saved.read_text())
+            if stored.get("fingerprint") == self.key:
+                self.allocation = stored["allocation"]
+
+    def gains(self):
+        """param -> per-expert gains of ``cfg.target_gain`` (:mod:`jgptq_torch.pipeline.gains`), or None
+        (``"one"``); their time is kept for the allocation record."""
+        from jgptq_torch.pipeline.gains import fisher_gains
+
+        run, t0 = self.run, time.perf_counter()
+        gains = None
+        if self.cfg.target_gain == "fisher":
+            with _on_run_device(run.result.model, run.device):
+                gains = fisher_gains(run.result.model, run.batch_list, decoder=(run.prefix, run.layers, run.targets))
+        self.gain_seconds = time.perf_counter() - t0
+        return gains
+
+    def allocate(self, costs: dict, gains) -> dict:
+        """The allocation record of the measured ``costs`` (:func:`allocation_of`), with the pass's seconds; kept
+        in ``allocation.json`` with ``checkpoint_dir``."""
+        allocation = allocation_of(self.cfg, *self.layout, costs, gains)
+        allocation["seconds"] = {"gains": self.gain_seconds, "sensitivity": sum(
+            t.get("sensitivity", 0.0) for t in self.run.report.timings.values())}
+        if self.saved is not None:
+            self.saved.parent.mkdir(parents=True, exist_ok=True)
+            self.saved.write_text(json.dumps({"fingerprint": self.key, "allocation": allocation}))
+        self.allocation = allocation
+        return allocation

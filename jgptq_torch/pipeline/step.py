@@ -9,7 +9,9 @@ this order:
   inputs to go on with (a resumed run's stored ones);
 - per layer: ``before_layer(run, i)``; inside the step (:class:`LayerStep`) ``before_calibrate``,
   ``after_calibrate`` and ``before_solve`` on each of its passes (one, or one per chunk of routed experts when the
-  layer goes in chunks: :mod:`jgptq_torch.pipeline.expert_chunks`; :attr:`LayerStep.first` tells the first);
+  layer goes in chunks: :mod:`jgptq_torch.pipeline.expert_chunks`; :attr:`LayerStep.first` tells the first); a
+  hook that sets :attr:`LayerStep.next_inputs` in ``after_calibrate`` ends the step there (the measuring pass of
+  ``target_bpw``: :class:`jgptq_torch.pipeline.measure.Measure`);
   ``after_layer(run, i, hidden)`` with the next layer's inputs;
 - ``finish(run)`` once every layer is done; ``close(run, error)`` always at the end (``error``: the exception the
   run stops with, or None).
@@ -45,6 +47,8 @@ class LayerStep:
     outputs: list = None           # they, when kept
     collector: object = None       # the calibration's Collector
     partner: object = None         # a hook's float stream run beside the calibration (calibrate.Partner), or None
+    next_inputs: list = None       # set by a hook whose pass ends with the calibration (a measuring pass: nothing
+                                   # is solved or written back): the next layer's inputs
 
     @property
     def first(self) -> bool:
@@ -55,6 +59,7 @@ class LayerStep:
         """Starts the pass of routed experts ``span`` over ``target``; what the pass before kept is let go."""
         self.span, self.target = span, target
         self.keep_outputs, self.outputs, self.collector, self.partner = False, None, None, None
+        self.next_inputs = None
 
 
 class Hook:

@@ -9,14 +9,14 @@ from jgptq import allocate
 from jgptq.config import PipelineConfig
 from jgptq.surface import command_line
 from jgptq_torch.cli.main import main
-from jgptq_torch.pipeline import gains, sensitivity
+from jgptq_torch.pipeline import gains, measure, sensitivity
 from tests.cli.test_cli import CALIB, model_dir  # noqa: F401 - the fixture
 from tests.tiny_models import build, token_ids
 
 
 def no_work(monkeypatch):
     """Fails the test if the first pass starts measuring (gains or the per-layer solves)."""
-    monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(measure, "Measure", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setattr(gains, "fisher_gains", lambda *a, **k: pytest.fail("gains computed"))
 
 
