@@ -207,7 +207,7 @@ def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
 
 
 def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
-              stride: int = measure_mod.EXPERT_ROW_STRIDE) -> str:
+              stride: int = measure_mod.EXPERT_ROW_STRIDE, share: int = measure_mod.EXPERT_SHARE) -> str:
     """What the first pass of a ``target_bpw`` run is about to do, and its cost in solves, as one line: the
     number of candidate formats, the solves (each free matrix stack once per candidate, experts on a sample of
     their rows: :func:`jgptq_torch.pipeline.measure.row_stride`), their work in solved rows against the run that
@@ -220,9 +220,13 @@ def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
                      if stride else set())
     rows = "" if not strides else f", experts on one row in {strides[0]}" + (
         f"-{strides[-1]}" if len(strides) > 1 else "")
+    grid = sorted({f for *_, names in free.values() for f in names if measure_mod.scaled_by(f, names, share)})
+    if stride and grid:
+        rows += (f" ({', '.join(grid)} on one expert in {share}, scaled from a cheaper "
+                 f"candidate's costs)")
     return (f"jgptq: {option('target_bpw', float(cfg.target_bpw))}: a first pass solves every layer under each of "
             f"{len(formats)} candidate formats ({', '.join(formats)}): {solves} matrix stacks over {n_layers} "
-            f"layers{rows}, about {measure_mod.work_ratio(free, stride):.1f} times the rows the run that follows "
+            f"layers{rows}, about {measure_mod.work_ratio(free, stride, share):.1f} times the rows the run that follows "
             f"solves; the candidates reach {least / weights:.4g} .. {most / weights:.4g} bits per weight")
 
 
@@ -259,12 +263,14 @@ def assignment_of(allocation: dict) -> tuple:
 
 
 def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
-           resume: bool = True, imatrix=None, stride: int = measure_mod.EXPERT_ROW_STRIDE) -> tuple:
+           resume: bool = True, imatrix=None, stride: int = measure_mod.EXPERT_ROW_STRIDE,
+           share: int = measure_mod.EXPERT_SHARE) -> tuple:
     """The first pass of a ``target_bpw`` run: (the config with its ``assignment``, the allocation record).
 
     Args: as :func:`jgptq.quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``);
       ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole;
-      :func:`jgptq_torch.pipeline.measure.measure`).
+      :func:`jgptq_torch.pipeline.measure.measure`); ``share``: grid-search candidates solved on one expert in
+      ``share`` and scaled from a cheaper candidate (1: each measured itself; :func:`measure_mod.scaled_by`).
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
@@ -275,7 +281,7 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     layout = _layout(cfg, prefix, layers)
     _check_reachable(cfg, *layout)   # before any work
     if cfg.progress:
-        print(plan_line(cfg, *layout, len(layers), stride), file=sys.stderr, flush=True)
+        print(plan_line(cfg, *layout, len(layers), stride, share), file=sys.stderr, flush=True)
     saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
     probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                       quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
@@ -300,7 +306,7 @@ def choose(model, calib, cfg, *, tokenizer=None, device=None, devices=None, chec
     try:
         with torch.no_grad(), (capture.experts_implementation(model) if any(
                 t.experts for t in run.targets) else contextlib.nullcontext()):
-            costs = measure(run, layout.free, gains, stride=stride)
+            costs = measure(run, layout.free, gains, stride=stride, share=share)
         failed = False
     finally:
         model.train(was_training)
