@@ -14,7 +14,10 @@ With ``--reference``, the same pass also runs with every matrix solved whole (``
 sampled one replaces) and the allocations of both at every budget (``--budgets``, default the four sizes of the
 ``target_bpw`` benchmark's deep model) are priced by the exhaustive costs: ``objective_ratio`` is the sampled
 allocation's exhaustive objective over the exhaustive allocation's (1 = as good; the sampled estimate of each
-group's cost is compared too).
+group's cost is compared too); ``--reference-from`` takes the exhaustive pass from an earlier result instead
+(its costs do not depend on the sampling rules). ``--share``: grid-search candidates solved on one expert in this
+many and scaled from a cheaper candidate (:func:`jgptq_torch.pipeline.measure.scaled_by`; 1: each measured
+itself, the rule before).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def _args(argv):
     p.add_argument("--target-formats", default=",".join(TARGET_FORMATS), help="candidate formats")
     p.add_argument("--stride", type=int, default=None, help="experts' row stride (default the library's)")
     p.add_argument("--reference", action="store_true", help="also the exhaustive measurement (every row)")
+    p.add_argument("--reference-from", default=None, help="take the exhaustive pass from this earlier result JSON "
+                   "(same settings) instead of running it")
+    p.add_argument("--share", type=int, default=None, help="grid-search candidates on one expert in this many "
+                   "(default the library's; 1: each measured itself)")
     p.add_argument("--sampled-from", default=None, help="take the sampled pass from this earlier result JSON "
                    "(same settings) instead of running it again")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the trained models are kept")
@@ -74,7 +81,7 @@ def _setup(args):
     return model, calib, imat, batch, info
 
 
-def _pass(model, calib, imat, batch, formats, bpw, stride):
+def _pass(model, calib, imat, batch, formats, bpw, stride, share):
     """(allocation record, wall seconds, this process's CPU seconds) of one first pass."""
     from jgptq import PipelineConfig
     from jgptq_torch.pipeline.layerwise import choose_formats
@@ -82,7 +89,7 @@ def _pass(model, calib, imat, batch, formats, bpw, stride):
     cfg = PipelineConfig.build(None, format=formats[0], target_bpw=bpw, target_formats=formats, batch_size=batch,
                                progress=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    _, allocation = choose_formats(model, calib, cfg, device="cpu", imatrix=imat, stride=stride)
+    _, allocation = choose_formats(model, calib, cfg, device="cpu", imatrix=imat, stride=stride, share=share)
     return allocation, time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -132,23 +139,29 @@ def main(argv=None):
            "model": {k: v for k, v in info.items() if k != "loss_history"}, "target_formats": list(formats),
            "compilation_cache": "warm (the machine's)" if args.warm_cache else "fresh (a first run)",
            "calibration": {"sequences": int(calib.shape[0]), "length": int(calib.shape[1]), "batch": batch}}
-    runs = [("sampled", stride)] + ([("exhaustive", 0)] if args.reference else [])
+    share = measure.EXPERT_SHARE if args.share is None else args.share
+    out["share"] = share
+    runs = [("sampled", stride)] + ([("exhaustive", 0)] if args.reference and not args.reference_from else [])
     allocations = {}
     if args.sampled_from:
         with open(args.sampled_from) as f:
             out["sampled"] = dict(json.load(f)["sampled"], taken_from=os.path.basename(args.sampled_from))
         allocations["sampled"] = out["sampled"]["allocation"]
         runs = runs[1:]
+    if args.reference_from:
+        with open(args.reference_from) as f:
+            out["exhaustive"] = dict(json.load(f)["exhaustive"], taken_from=os.path.basename(args.reference_from))
+        allocations["exhaustive"] = out["exhaustive"]["allocation"]
     for name, s in runs:
         load_before = os.getloadavg()
-        allocation, wall, cpu = _pass(model, calib, imat, batch, formats, budgets[0], s)
+        allocation, wall, cpu = _pass(model, calib, imat, batch, formats, budgets[0], s, share)
         allocations[name] = allocation
         out[name] = {"stride": s, "wall_s": wall, "process_cpu_s": cpu, "seconds": allocation["seconds"], "load_before": load_before,
                      "load_after": os.getloadavg(), "allocation": allocation}
         print(f"{name} (stride {s}): {wall:.1f} s, CPU {cpu:.1f} s ({allocation['seconds']}), load {load_before} -> "
               f"{out[name]['load_after']}", flush=True)
         common.write(args.out, out)
-    if args.reference:
+    if args.reference or args.reference_from:
         out["comparison"] = compare(allocations["sampled"], allocations["exhaustive"], budgets)
         for row in out["comparison"]["budgets"]:
             print(f"{row['target_bpw']:.4f} bpw: objective ratio {row['objective_ratio']:.4f}, "

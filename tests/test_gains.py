@@ -2,6 +2,7 @@
 intermediate output (an experts forward written out here, expert by expert, with retain_grad)."""
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,28 @@ def test_padding_is_left_out_of_the_gains():
     assert not np.allclose(short["model.layers.1.self_attn.o_proj.weight"],
                            both["model.layers.1.self_attn.o_proj.weight"])
     assert all(np.all(np.isfinite(v)) and np.all(v >= 0) for v in both.values())
+
+
+def test_target_bpw_takes_its_gains_from_the_first_half_of_the_calibration_batches(monkeypatch):
+    import jgptq
+    from jgptq_torch.pipeline import gains, sensitivity
+
+    batches = [object() for _ in range(5)]
+    assert [len(sensitivity.gain_batches(batches[:n])) for n in range(1, 6)] == [1, 1, 2, 2, 3]
+    assert sensitivity.gain_batches(batches) == batches[:3]
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def watch(model, batch_list, **kw):
+        seen.append([b.input_ids.clone() for b in batch_list])
+        raise Stop
+
+    monkeypatch.setattr(gains, "fisher_gains", watch)   # the first pass imports it from the module when it runs
+    ids = token_ids(6, 16, seed=3)
+    with pytest.raises(Stop):
+        jgptq.quantize_moe(build("qwen3_moe", seed=2), ids, batch_size=2, progress=False, format="q8_0",
+                           target_bpw=6.0, target_formats=("q4_0", "q8_0"))
+    assert len(seen) == 1 and len(seen[0]) == 2   # 3 batches of 2 sequences: the first 2
+    assert torch.equal(torch.cat(seen[0]), ids[:4])

@@ -92,3 +92,45 @@ def test_a_sample_of_one_row_in_two_estimates_the_exhaustive_figure():
     param = "L.mlp.experts.down_proj"
     ratio = sampled[param]["int3"] / whole[param]["int3"]
     assert np.all(np.abs(ratio - 1) < 0.1) and not np.allclose(ratio, 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("share", [2, 3])
+def test_a_grid_search_candidate_is_its_reference_scaled_by_their_ratio_on_the_most_costly_experts(
+        monkeypatch, share):
+    """int2 stands for a grid-search format here: solved only on the most costly experts (by the reference's
+    costs), on their thinned rows (the linear module's 552 at one in 4), its costs the reference's (int3: the
+    cheaper of int3 and int4) times the ratio of the two formats' float64 errors over those rows."""
+    collector, stacks, free, gains, _ = _problem(3)
+    plans = {f"int{b}": MatrixPlan("gptq", PipelineConfig.build(None, bits=b, group_size=32).quant, True)
+             for b in (2, 3, 4)}
+    cands = {f: Candidate(b * ROWS * COLS, plans[f]) for f, b in (("int2", 2), ("int3", 3), ("int4", 4))}
+    free = {p: f._replace(candidates=cands) for p, f in free.items()}
+    monkeypatch.setattr(measure, "GRID_SEARCH", frozenset({"int2"}))
+    assert measure.scaled_by("int2", cands) == "int3" and measure.scaled_by("int3", cands) is None
+    solved = []
+    real = measure._solve_chunks
+    monkeypatch.setattr(measure, "_solve_chunks", lambda chunks, plan, *a: solved.append(
+        (plan.quant.bits, [(c.param, c.expert, tuple(c.rows)) for c in chunks])) or real(chunks, plan, *a))
+    costs = measure.layer_costs(collector, stacks, free, gains, threshold=1, devices=None, share=share)
+    for m, param, stack in stacks:
+        err = {f: _row_errors64(stack, plans[f]) for f in plans}
+        step = measure.row_stride(m, m.name)
+        seen = np.asarray(collector.routed["mlp.experts"] if m.layout is not None else stack.tokens, np.float64)
+        s = 0.5 * gains[param] * seen / 500
+        samples = [measure.measured_rows(ROWS, e, step) for e in range(m.count)]
+        ref = np.array([s[e] * ROWS / len(r) * err["int3"][e, r].sum() for e, r in enumerate(samples)])
+        for f in ("int3", "int4"):
+            want = [s[e] * ROWS / len(r) * err[f][e, r].sum() for e, r in enumerate(samples)]
+            np.testing.assert_allclose(costs[param][f], want, rtol=2e-4)
+        chosen = np.argsort(-ref)[:-(-m.count // share)]
+        thin = {e: samples[e][::max(1, len(samples[e]) // measure.CHUNK_ROWS)] for e in chosen}
+        w = {e: s[e] * ROWS / len(thin[e]) for e in chosen}
+        ratio = (sum(w[e] * err["int2"][e, thin[e]].sum() for e in chosen)
+                 / sum(w[e] * err["int3"][e, thin[e]].sum() for e in chosen))
+        np.testing.assert_allclose(costs[param]["int2"], ratio * ref, rtol=5e-4)
+        rows_solved = sorted((e, r) for bits, chunks in solved if bits == 2 for p, e, rows in chunks
+                             if p == param for r in rows)
+        assert rows_solved == sorted((e, r) for e in chosen for r in thin[e])
+        assert len(chosen) < m.count or m.count == 1
+    whole = {b: sum(len(c) for _, c in (x for x in solved if x[0] == b)) for b in (2, 3)}
+    assert whole[2] < whole[3]   # the grid-search candidate solves fewer chunks

@@ -9,7 +9,8 @@ its diagonal, averaged over the tokens and output rows of the matrix, gives one 
 ``mean_t |d_t|^2`` is the GPTQ objective ``tr((W - Q) H (W - Q)^T) / 2`` with ``H = 2/N sum x x^T``, scaled by the
 share of the calibration tokens the matrix sees (:mod:`jgptq_torch.pipeline.sensitivity`).
 
-:func:`fisher_gains` measures ``G`` with one backward pass per calibration batch through the float model, the
+:func:`fisher_gains` measures ``G`` with one backward pass per calibration batch it is given (``target_bpw`` gives
+it the first half: :func:`jgptq_torch.pipeline.sensitivity.gain_batches`) through the float model, the
 labels drawn from the model's own next-token distribution (a fixed seed: the same gains every run), so that the
 quadratic form is the one of the KL to the float model, not of the data's likelihood. Parameters get no
 gradients; only the activations do. Experts: the gradient reaching expert ``e``'s down projection on a token is

@@ -72,7 +72,7 @@ from jgptq_torch.pipeline import (
 )
 from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
-from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, Measure
+from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE, Measure
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
@@ -145,20 +145,23 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
 
 
 def choose_formats(model, calib, cfg, *, tokenizer=None, device=None, devices=None, checkpoint_dir=None,
-                   resume: bool = True, imatrix=None, stride: int = EXPERT_ROW_STRIDE) -> tuple:
+                   resume: bool = True, imatrix=None, stride: int = EXPERT_ROW_STRIDE,
+                   share: int = EXPERT_SHARE) -> tuple:
     """The first pass of a ``target_bpw`` run (:mod:`jgptq_torch.pipeline.sensitivity`): the layer step of every
     layer with the measurement as its hook (:class:`jgptq_torch.pipeline.measure.Measure`), then the allocation.
     Returns (the config with its ``assignment``, the allocation record).
 
     Args: as :func:`quantize_moe` (``cfg``: a :class:`jgptq.config.PipelineConfig` with ``target_bpw``);
-      ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole).
+      ``stride``: experts' rows measured one in ``stride`` (0: every matrix solved whole); ``share``:
+      grid-search candidates solved on one expert in ``share`` (1: each measured itself).
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
     first = FirstPass(model, calib, cfg, tokenizer=tokenizer, device=device, devices=devices,
-                        imatrix=imatrix, checkpoint_dir=checkpoint_dir, resume=resume, stride=stride)
+                        imatrix=imatrix, checkpoint_dir=checkpoint_dir, resume=resume, stride=stride,
+                      share=share)
     if first.allocation is None:   # not taken over from a resumed run's allocation.json
-        measuring = Measure(first.layout.free, first.gains(), stride)
+        measuring = Measure(first.layout.free, first.gains(), stride, share)
         first.run.hooks = Hooks([measuring])
         _run_pass(first.run, 0, desc="jgptq target_bpw pass")
         first.allocate(measuring.costs, measuring.gains)

@@ -12,7 +12,17 @@ gives an unbiased estimate of it. The rows of experts (a fused experts parameter
 experts group) are most of a MoE layer's weights and every one of their groups holds many matrices: of each, one
 row in :func:`row_stride` (:data:`EXPERT_ROW_STRIDE`, less where the sample would not fill a chunk; evenly spaced,
 from an offset that differs between experts) is solved and its figure scaled by the rows over the sample. Other
-matrices (attention, shared experts, dense MLPs) are solved whole. ``stride=0`` measures exhaustively instead
+matrices (attention, shared experts, dense MLPs) are solved whole.
+
+Grid-search candidates. The IQ1/IQ2/IQ3 encoders (:data:`GRID_SEARCH`) cost several times a k-quant's solve, so
+such a candidate is scaled from the other candidate of fewest bits that is not one (:func:`scaled_by`, e.g.
+``q3_k``), measured first as above: of every matrix stack, only the ``ceil(count / EXPERT_SHARE)`` experts that
+reference costs most (:func:`scaled_experts`; a single matrix: itself) are solved, on one chunk's worth of their
+sample (:func:`thin_rows`: a whole attention matrix on one row in ``rows / 128``), and the stack's costs are the
+reference's times the ratio of the two formats' errors over those same rows (each expert weighted as its own
+estimate would be). Both formats' errors follow the same rows and Hessians, so the ratio varies far less than
+either figure, and the costly solves drop to about one chunk per matrix and a quarter of the experts.
+``stride=0`` measures exhaustively instead
 (:func:`whole_costs`: every matrix solved whole, as the run solves it); ``python -m benchmarks target_bpw_pass
 --reference`` compares the allocations of the two (``benchmarks/results/target_bpw_pass.json``).
 
@@ -44,6 +54,9 @@ from jgptq_torch.pipeline.step import Hook, LayerStep
 EXPERT_ROW_STRIDE = 8   # one row in this many of every expert matrix is solved
 CHUNK_ROWS = 128        # rows of one solved chunk
 CHUNKS_PER_CALL = 8     # chunks of one quantize_bucket call
+# formats whose encoder is a grid-constrained search (several times a k-quant's solve): measured on a subsample
+GRID_SEARCH = frozenset({"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"})
+EXPERT_SHARE = 4        # a grid-search candidate is solved on one expert in this many (at least one) of a stack
 
 
 def row_stride(matrix, group: str, stride: int = EXPERT_ROW_STRIDE) -> int:
@@ -78,12 +91,37 @@ class _Chunk(NamedTuple):
     importance: object     # (C,) or None
 
 
-def _chunks(m, param: str, stack, stride: int, threshold: int) -> list:
-    """The chunks of one free matrix stack (module docstring)."""
+def scaled_by(fmt: str, candidates: dict, share: int = EXPERT_SHARE):
+    """The candidate whose measured costs a grid-search ``fmt`` (:data:`GRID_SEARCH`) is scaled from: the other
+    candidate of fewest bits that is not one (``candidates``: format -> :class:`Candidate`); None where ``fmt`` is
+    measured on the sample itself (not a grid search, no such candidate, or ``share`` 1)."""
+    if share <= 1 or fmt not in GRID_SEARCH:
+        return None
+    others = [f for f in candidates if f not in GRID_SEARCH]
+    return min(others, key=lambda f: (candidates[f].bits, f)) if others else None
+
+
+def thin_rows(rows: np.ndarray) -> np.ndarray:
+    """The rows a scaled candidate (:func:`scaled_by`) solves of an expert's sample ``rows``: one in
+    ``len(rows) // CHUNK_ROWS`` of them (at least one chunk; all of a shorter sample)."""
+    return rows[::max(1, len(rows) // CHUNK_ROWS)]
+
+
+def scaled_experts(ref_costs: np.ndarray, share: int = EXPERT_SHARE) -> np.ndarray:
+    """int64 indices of the experts a scaled candidate solves of a stack whose reference candidate costs
+    ``ref_costs`` (count,): the ``ceil(count / share)`` most costly (ties: the lower index), sorted."""
+    k = -(-len(ref_costs) // share)
+    return np.sort(np.argsort(-np.asarray(ref_costs, np.float64), kind="stable")[:k])
+
+
+def _chunks(m, param: str, stack, stride: int, threshold: int, experts=None, thin: bool = False) -> list:
+    """The chunks of one free matrix stack (module docstring): of ``experts`` (default every one), on their
+    :func:`thin_rows` with ``thin``."""
     out = []
     weight = stack.weight
-    for e in range(m.count):
+    for e in range(m.count) if experts is None else experts:
         rows = measured_rows(m.rows, e, stride)
+        rows = thin_rows(rows) if thin else rows
         h = stack.hessian if stack.hessian is None or stack.hessian.ndim == 2 else stack.hessian[e]
         tokens = int(stack.tokens[e])
         if m.layout is None and tokens >= 1:   # a linear module is solved once reached (plan threshold 1)
@@ -128,12 +166,13 @@ def _scale(collector, m, stack, gains, param) -> np.ndarray:
 
 
 def layer_costs(collector, stacks: list, free: dict, gains, threshold: int, devices,
-                stride: int = EXPERT_ROW_STRIDE) -> dict:
+                stride: int = EXPERT_ROW_STRIDE, share: int = EXPERT_SHARE) -> dict:
     """param -> {format: float64 (count,) costs} of one calibrated layer's free ``stacks`` ((Matrix, param,
-    Stack) triples), estimated from one row in ``stride`` of the experts (:func:`sampled`; module docstring)."""
+    Stack) triples), estimated from one row in ``stride`` of the experts (:func:`sampled`), grid-search candidates
+    scaled from a cheaper one's (:func:`scaled_by`; ``share`` 1: each measured itself; module docstring)."""
     out: dict = {}
     jobs: dict = {}     # (format, plan, cols) -> chunks
-    scale = {}
+    scale, base, scaled = {}, {}, []
     for m, param, stack in stacks:
         step = row_stride(m, free[param].group, stride)
         scale[param] = _scale(collector, m, stack, gains, param)
@@ -141,20 +180,52 @@ def layer_costs(collector, stacks: list, free: dict, gains, threshold: int, devi
             out[param] = {f: np.zeros(m.count) for f in free[param].candidates}
             continue
         chunks = _chunks(m, param, stack, step, threshold)
-        for fmt, cand in free[param].candidates.items():
+        candidates = free[param].candidates
+        for fmt, cand in candidates.items():
+            out.setdefault(param, {})[fmt] = np.zeros(m.count)
+            ref = scaled_by(fmt, candidates, share)
+            if ref is not None:
+                scaled.append((m, param, stack, step, fmt, cand, ref))
+                continue
             plan = MatrixPlan(cand.plan.method, cand.plan.quant, True)
             jobs.setdefault((fmt, plan, m.cols), []).extend(chunks)
-            out.setdefault(param, {})[fmt] = np.zeros(m.count)
-        scale[param] = scale[param] * np.asarray([m.rows / len(measured_rows(m.rows, e, step))
-                                                  for e in range(m.count)])
-    for (fmt, plan, _), chunks in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-        errors = _solve_chunks(chunks, plan, threshold, devices)
-        for c, err in zip(chunks, errors):
-            out[c.param][fmt][c.expert] += err[:len(c.rows)].sum()
+        base[param] = np.asarray([len(measured_rows(m.rows, e, step)) for e in range(m.count)], np.float64)
+        scale[param] = scale[param] * m.rows / base[param]
+    row_errors = _run_jobs(jobs, out, threshold, devices, {p: m for m, p, _ in stacks})
+    jobs, thin = {}, {}
+    for m, param, stack, step, fmt, cand, ref in scaled:
+        chosen = scaled_experts(out[param][ref] * scale[param], share)
+        chunks = _chunks(m, param, stack, step, threshold, chosen, thin=True)
+        jobs.setdefault((fmt, MatrixPlan(cand.plan.method, cand.plan.quant, True), m.cols), []).extend(chunks)
+        thin[(param, fmt)] = ref, chosen
+    thin_errors = _run_jobs(jobs, {}, threshold, devices, {p: m for m, p, _ in stacks})
+    for (param, fmt), (ref, chosen) in thin.items():
+        errs, ref_errs = thin_errors[(param, fmt)], row_errors[(param, ref)]
+        m = next(mm for mm, p, _ in stacks if p == param)
+        num = den = 0.0
+        for e in chosen:    # both sums over the same solved rows, weighted as the expert's estimate would be
+            rows = thin_rows(measured_rows(m.rows, e, row_stride(m, free[param].group, stride)))
+            w = scale[param][e] * base[param][e] / len(rows)
+            num, den = num + w * errs[e, rows].sum(), den + w * ref_errs[e, rows].sum()
+        out[param][fmt] = out[param][ref] * (num / den if den > 0 else 1.0)
     for param, by_format in out.items():
         for fmt in by_format:
             by_format[fmt] = by_format[fmt] * scale[param]
     return out
+
+
+def _run_jobs(jobs: dict, sums: dict, threshold: int, devices, matrices: dict) -> dict:
+    """Solves ``jobs`` ((format, plan, cols) -> chunks); adds each chunk's error to ``sums[param][format]`` where
+    that is present, and returns (param, format) -> float64 (count, rows) per-row errors (0 where not solved)."""
+    rows: dict = {}
+    for (fmt, plan, _), chunks in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+        errors = _solve_chunks(chunks, plan, threshold, devices)
+        for c, err in zip(chunks, errors):
+            m = matrices[c.param]
+            rows.setdefault((c.param, fmt), np.zeros((m.count, m.rows)))[c.expert, c.rows] = err[:len(c.rows)]
+            if fmt in sums.get(c.param, {}):
+                sums[c.param][fmt][c.expert] += err[:len(c.rows)].sum()
+    return rows
 
 
 @jax.jit
@@ -186,14 +257,15 @@ class Measure(Hook):
     :attr:`jgptq_torch.pipeline.sensitivity.Layout.free`) measured under each of its candidates, layer by layer on
     float inputs (module docstring), into :attr:`costs` (param -> {format: float64 (count,) costs}). ``gains``:
     param -> per-expert gains, or None (1); ``stride``: experts' rows sampled one in ``stride`` (0: every matrix
-    solved whole, :func:`whole_costs`).
+    solved whole, :func:`whole_costs`); ``share``: grid-search candidates solved on one expert in ``share`` and
+    scaled from a cheaper candidate (:func:`scaled_by`; 1: each measured itself).
 
     It places the layers itself (each fetched before its step and put back after it; whole layers: no chunks of
     routed experts, whose samples would be other rows) and ends each step after its calibration, whose outputs
     (the float layer's) are the next layer's inputs. Each layer's time is its ``sensitivity`` stage."""
 
-    def __init__(self, free: dict, gains, stride: int = EXPERT_ROW_STRIDE):
-        self.free, self.gains, self.stride = free, gains, stride
+    def __init__(self, free: dict, gains, stride: int = EXPERT_ROW_STRIDE, share: int = EXPERT_SHARE):
+        self.free, self.gains, self.stride, self.share = free, gains, stride, share
         self.costs: dict = {}
         self.t0 = 0.0
 
@@ -215,7 +287,8 @@ class Measure(Hook):
                                           stats if run.given is None else run.given) if s[1] in self.free]
         threshold = cfg.moe.threshold(collector.batch_tokens)
         self.costs.update(
-            layer_costs(collector, stacks, self.free, self.gains, threshold, run.devices, self.stride) if self.stride
+            layer_costs(collector, stacks, self.free, self.gains, threshold, run.devices, self.stride, self.share)
+            if self.stride
             else whole_costs(collector, stacks, self.free, self.gains, threshold, run.devices))
         collector.release()
         step.next_inputs = step.outputs
@@ -228,13 +301,18 @@ class Measure(Hook):
         run_setup.finish(run.placement, error is not None)
 
 
-def work_ratio(free: dict, stride: int = EXPERT_ROW_STRIDE) -> float:
+def work_ratio(free: dict, stride: int = EXPERT_ROW_STRIDE, share: int = EXPERT_SHARE) -> float:
     """Rows solved by the first pass (every candidate; experts' rows one in :func:`row_stride` of ``stride``, 0:
-    all) over the rows the run that follows solves (module docstring)."""
+    all; scaled candidates on their experts' :func:`thin_rows`) over the rows the run that follows solves (module
+    docstring)."""
     solved = total = 0
     for _, group, m, candidates in free.values():
         step = row_stride(m, group, stride) if stride else 1
-        rows = sum(len(measured_rows(m.rows, e, step)) for e in range(m.count))
-        solved += len(candidates) * rows * m.cols
+        samples = [measured_rows(m.rows, e, step) for e in range(m.count)]
+        for fmt in candidates:
+            if stride and scaled_by(fmt, candidates, share) is not None:
+                solved += sum(len(thin_rows(r)) for r in samples[:-(-m.count // share)]) * m.cols
+            else:
+                solved += sum(len(r) for r in samples) * m.cols
         total += m.count * m.rows * m.cols
     return solved / max(total, 1)

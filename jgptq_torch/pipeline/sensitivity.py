@@ -52,6 +52,14 @@ from jgptq_torch.pipeline import measure as measure_mod
 from jgptq_torch.pipeline import run_setup
 
 ALLOCATION_FILE = "allocation.json"
+GAIN_SHARE = 2   # the gain pass runs on the first ceil(batches / GAIN_SHARE) calibration batches
+
+
+def gain_batches(batch_list: list, share: int = GAIN_SHARE) -> list:
+    """The calibration batches the Fisher gain pass runs on: the first ``ceil(len / share)`` (at least one). A gain
+    is a mean of squared gradients over every (token, output row) entry of a matrix, so half the calibration
+    already fixes it to about 10% per group on the benchmark's deep model, for half the pass's time."""
+    return list(batch_list)[:max(1, -(-len(batch_list) // share))]
 
 
 def group_name(name: str) -> str:
@@ -202,7 +210,7 @@ def _check_reachable(cfg, free: dict, fixed: dict, weights: int) -> None:
 
 
 def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
-              stride: int = measure_mod.EXPERT_ROW_STRIDE) -> str:
+              stride: int = measure_mod.EXPERT_ROW_STRIDE, share: int = measure_mod.EXPERT_SHARE) -> str:
     """What the first pass of a ``target_bpw`` run is about to do, and its cost in solves, as one line: the
     number of candidate formats, the solves (each free matrix stack once per candidate, experts on a sample of
     their rows: :func:`jgptq_torch.pipeline.measure.row_stride`), their work in solved rows against the run that
@@ -215,9 +223,13 @@ def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
                      if stride else set())
     rows = "" if not strides else f", experts on one row in {strides[0]}" + (
         f"-{strides[-1]}" if len(strides) > 1 else "")
+    grid = sorted({f for *_, names in free.values() for f in names if measure_mod.scaled_by(f, names, share)})
+    if stride and grid:
+        rows += (f" ({', '.join(grid)} on one expert in {share}, scaled from a cheaper "
+                 f"candidate's costs)")
     return (f"jgptq: {option('target_bpw', float(cfg.target_bpw))}: a first pass solves every layer under each of "
             f"{len(formats)} candidate formats ({', '.join(formats)}): {solves} matrix stacks over {n_layers} "
-            f"layers{rows}, about {measure_mod.work_ratio(free, stride):.1f} times the rows the run that follows "
+            f"layers{rows}, about {measure_mod.work_ratio(free, stride, share):.1f} times the rows the run that follows "
             f"solves; the candidates reach {least / weights:.4g} .. {most / weights:.4g} bits per weight")
 
 
@@ -260,21 +272,23 @@ class FirstPass:
     Made before any work: the :class:`Layout` (the budget's reach checked, the pass said with ``progress``), the
     probe :class:`jgptq_torch.pipeline.run_setup.Run` the layers run in (``run``), and, with ``checkpoint_dir``,
     the allocation a resumed run takes over from ``allocation.json`` (``allocation``; None: to be measured).
-    Arguments as :func:`jgptq.quantize_moe`; ``stride``: as :class:`jgptq_torch.pipeline.measure.Measure`.
+    Arguments as :func:`jgptq.quantize_moe`; ``stride``, ``share``: as
+    :class:`jgptq_torch.pipeline.measure.Measure`.
 
     Raises:
       ValueError: a budget below every tensor at its cheapest candidate, a matrix no candidate fits.
     """
 
     def __init__(self, model, calib, cfg, *, tokenizer=None, device=None, devices=None, imatrix=None,
-                 checkpoint_dir=None, resume: bool = True, stride: int = measure_mod.EXPERT_ROW_STRIDE):
+                 checkpoint_dir=None, resume: bool = True, stride: int = measure_mod.EXPERT_ROW_STRIDE,
+                 share: int = measure_mod.EXPERT_SHARE):
         from jgptq_torch.pipeline import resume as resume_mod
 
         prefix, layers = models.find_decoder_layers(model)
         self.cfg, self.layout = cfg, _layout(cfg, prefix, layers)
         _check_reachable(cfg, *self.layout)   # before any work
         if cfg.progress:
-            print(plan_line(cfg, *self.layout, len(layers), stride), file=sys.stderr, flush=True)
+            print(plan_line(cfg, *self.layout, len(layers), stride, share), file=sys.stderr, flush=True)
         self.saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
         probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                           quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
@@ -297,7 +311,7 @@ class FirstPass:
         gains = None
         if self.cfg.target_gain == "fisher":
             with _on_run_device(run.result.model, run.device):
-                gains = fisher_gains(run.result.model, run.batch_list, decoder=(run.prefix, run.layers, run.targets))
+                gains = fisher_gains(run.result.model, gain_batches(run.batch_list), decoder=(run.prefix, run.layers, run.targets))
         self.gain_seconds = time.perf_counter() - t0
         return gains
 
