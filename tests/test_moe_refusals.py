@@ -15,16 +15,8 @@ from tests.tiny_models import COMMON, build, token_ids
 transformers = pytest.importorskip("transformers")
 CALIB = token_ids(2, 16, seed=1)
 RUN = {"method": "rtn", "bits": 4, "group_size": 16, "batch_size": 2, "progress": False}
-MLA = dict(head_dim=8, intermediate_size=128, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
-           qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8,
-           num_experts_per_tok=2)
-
 # family: (config class, model class, settings over COMMON, what the refusal must say)
 REFUSED = {
-    # each layer returns (hidden states, indexer top-k) and the forward hands the indices to the next layer
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-                    dict(MLA, mlp_layer_types=["dense", "sparse"], index_head_dim=16, index_n_heads=2, index_topk=8),
-                    "unpacks each decoder layer's output"),
     # the checkpoint holds q, k and v as one query_key_value key that transformers splits on load
     "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM",
                    dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,

@@ -85,6 +85,12 @@ FAMILIES = {
              qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=8,
              num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
              topk_group=1, first_k_dense_replace=1)),
+    # GLM-5: MLA with a DSA indexer; layer 1 ("S") reuses the top-k token indices layer 0's indexer returns
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+        dict(head_dim=8, intermediate_size=128, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8,
+             num_experts_per_tok=2, mlp_layer_types=['dense', 'sparse'], index_head_dim=16, index_n_heads=2,
+             index_topk=8, index_topk_pattern="FS")),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
         dict(layer_types=['heavily_compressed_attention', 'compressed_sparse_attention'],
              mlp_layer_types=['hash_moe', 'moe'], head_dim=16, moe_intermediate_size=32, qk_rope_head_dim=2,
