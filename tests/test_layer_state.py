@@ -61,8 +61,13 @@ def test_layer_by_layer_inputs_are_the_forward_inputs():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_quantize_moe_glm_moe_dsa():
-    """Round-to-nearest and GPTQ end to end: next-token KL to the float model small, GPTQ's under RTN's."""
+def test_quantize_moe_glm_moe_dsa(tmp_path):
+    """Round-to-nearest and GPTQ end to end: next-token KL to the float model small, GPTQ's under RTN's; the GPTQ
+    format holds the result (written and read back), GGUF refuses the family with the reason."""
+    from jgptq_torch.export.checkpoint import export_model
+    from jgptq_torch.export.gguf.export import check_exportable
+    from jgptq_torch.export.gguf.families import UnsupportedGGUFModel
+
     reference = build("glm_moe_dsa", **FSF)
     kl = {}
     for method in ("rtn", "gptq"):
@@ -71,6 +76,9 @@ def test_quantize_moe_glm_moe_dsa():
         assert sum(result.report.coverage["model.layers.1.mlp.experts"]) == 2 * CALIB.numel()
         kl[method] = next_token_kl(reference, model, CALIB)
     assert 0 < kl["gptq"] < kl["rtn"] < 2e-3, kl
+    assert any(export_model(model, result, "gptq", tmp_path / "gptq").glob("*.safetensors"))
+    with pytest.raises(UnsupportedGGUFModel, match=r"model_type 'glm_moe_dsa'\) has no GGUF exporter"):
+        check_exportable(model)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

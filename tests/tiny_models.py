@@ -91,6 +91,11 @@ FAMILIES = {
              qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8,
              num_experts_per_tok=2, mlp_layer_types=['dense', 'sparse'], index_head_dim=16, index_n_heads=2,
              index_topk=8, index_topk_pattern="FS")),
+    # experts as blocks of rows of 2-D parameters run by the model's own loop; sizes under DBRX's own names
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM",
+        dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+             attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
         dict(layer_types=['heavily_compressed_attention', 'compressed_sparse_attention'],
              mlp_layer_types=['hash_moe', 'moe'], head_dim=16, moe_intermediate_size=32, qk_rope_head_dim=2,
