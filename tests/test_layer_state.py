@@ -1,6 +1,8 @@
-"""State a decoder layer hands the next one (GLM-5's indexer top-k) is carried by the run of one layer at a time:
-the inputs it gives each layer are those of the model's own forward, bit for bit; quantize_moe runs end to end
-(also resumed from a checkpoint); forwards that hand on state jgptq cannot carry are refused with the reason."""
+"""State the forward hands from one decoder layer to the next is carried by the run of one layer at a time: a
+layer's further outputs (GLM-5's and Hunyuan V4's indexer top-k, Kolibri 1.1's candidate pool) and a container
+several layers share (Kolibri 1.1's keys and values, read by a later layer). The inputs the run gives each layer
+are those of the model's own forward, bit for bit; quantize_moe runs end to end (also resumed from a checkpoint);
+forwards that hand on state jgptq cannot carry are refused with the reason."""
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ import jgptq
 from jgptq_torch.models import UnsupportedModelError
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline.calib import batches
-from jgptq_torch.pipeline.inputs import Carried, capture_inputs, output_arity, run_layer
+from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.layer_state import Carried, Shared, output_arity
 from tests.tiny_models import build, next_token_kl, token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -60,6 +63,46 @@ def test_layer_by_layer_inputs_are_the_forward_inputs():
         assert not torch.equal(out[0], want[2][0])
 
 
+def _layer_by_layer(model, ids):
+    """(each layer's hidden states in the model's own forward and its last layer's output; the same from the
+    captured inputs run one layer at a time, and those inputs)."""
+    layers = model.model.layers
+    seen, handles = [], []
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone())))
+    handles.append(layers[-1].register_forward_hook(lambda m, args, out: seen.append(
+        (out[0] if isinstance(out, tuple) else out).clone())))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        hidden, layer_inputs = capture_inputs(model, layers, batches(ids, batch_size=len(ids)), torch.device("cpu"))
+        got = [hidden[0]]
+        for i, layer in enumerate(layers):
+            got.append(run_layer(layer, got[-1], *layer_inputs[0][i]))
+    return seen, got, layer_inputs[0]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", ["hy_v4", "kolibri1_1"])
+def test_layer_by_layer_hidden_states_are_the_forwards(family):
+    model = build(family)
+    want, got, inputs = _layer_by_layer(model, CALIB[:2])
+    assert len(want) == len(got) == len(model.model.layers) + 1
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g), i
+    links = [type(v) for _, kw in inputs for v in kw.values() if isinstance(v, (Carried, Shared))]
+    if family == "kolibri1_1":
+        assert model.config.kv_source_layers == [0, 1, 1]             # layer 2 reads layer 1's keys and values
+        assert links.count(Shared) == 3 and links.count(Carried) == 1   # the container; layer 1's pool to layer 2
+        assert set(got[2].shared[0]) >= {"1"}                             # what layer 1 wrote, carried to layer 2
+    else:
+        assert model.config.indexer_types == ["full", "shared"] and links == [Carried]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_quantize_moe_glm_moe_dsa(tmp_path):
     """Round-to-nearest and GPTQ end to end: next-token KL to the float model small, GPTQ's under RTN's; the GPTQ
@@ -82,11 +125,13 @@ def test_quantize_moe_glm_moe_dsa(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_resumed_run_carries_the_state(tmp_path, monkeypatch):
-    """A run stopped after layer 0 and resumed at the shared layer 1 gets the indices from the checkpoint: the same
-    records and weights as a run straight through."""
+@pytest.mark.parametrize(("family", "stop", "settings"), [("glm_moe_dsa", 0, FSF), ("kolibri1_1", 1, {})])
+def test_resumed_run_carries_the_state(tmp_path, monkeypatch, family, stop, settings):
+    """A run stopped after layer ``stop`` and resumed at the next, which reads what that layer handed on (GLM-5's
+    shared indexer layer 1 its top-k; Kolibri 1.1's layer 2 the pool and the keys and values of layer 1), gets the
+    state from the checkpoint: the same records and weights as a run straight through."""
     run = {"method": "gptq", "bits": 4, "group_size": 16, "batch_size": 2, "progress": False}
-    model = build("glm_moe_dsa", **FSF)
+    model = build(family, **settings)
     whole = jgptq.quantize_moe(model, CALIB, **run)
     original = resume.Checkpoint.save_layer
 
@@ -95,14 +140,14 @@ def test_resumed_run_carries_the_state(tmp_path, monkeypatch):
 
     def save_layer(self, i, *args, **kwargs):
         original(self, i, *args, **kwargs)
-        if i == 0:
+        if i == stop:
             raise Stop
 
     monkeypatch.setattr(resume.Checkpoint, "save_layer", save_layer)
     with pytest.raises(Stop):
-        jgptq.quantize_moe(build("glm_moe_dsa", **FSF), CALIB, checkpoint_dir=tmp_path, **run)
+        jgptq.quantize_moe(build(family, **settings), CALIB, checkpoint_dir=tmp_path, **run)
     monkeypatch.setattr(resume.Checkpoint, "save_layer", original)
-    again = build("glm_moe_dsa", **FSF)
+    again = build(family, **settings)
     resumed = jgptq.quantize_moe(again, CALIB, checkpoint_dir=tmp_path, **run)
     assert set(resumed.weights) == set(whole.weights)
     for key, rec in whole.weights.items():

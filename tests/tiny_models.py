@@ -91,6 +91,20 @@ FAMILIES = {
              qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8,
              num_experts_per_tok=2, mlp_layer_types=['dense', 'sparse'], index_head_dim=16, index_n_heads=2,
              index_topk=8, index_topk_pattern="FS")),
+    # Hunyuan V4: MLA with a DSA indexer and hyper-connections; layer 1 ("shared") reuses layer 0's top-k indices
+    "hy_v4": ("HYV4Config", "HYV4ForCausalLM",
+        dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, index_topk=8,
+             index_head_dim=16, index_n_heads=2, num_key_value_heads=4, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2, indexer_types=["full", "shared"], mlp_layer_types=["sparse", "sparse"])),
+    # Kolibri 1.1: layer 2 reads the keys and values layer 1 wrote into the container the forward hands every layer,
+    # and the candidate pool layer 1's indexer returns
+    "kolibri1_1": ("Kolibri1_1Config", "Kolibri1_1ForCausalLM",
+        dict(num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+             shared_expert_intermediate_size=32, index_topk=8, index_pool_size=64, index_compression=4,
+             index_num_heads=2, index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_intermediate_size=64,
+             sliding_window=16, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
+             index_layers=[1], kv_source_layers=[0, 1, 1], mlp_only_layers=[0])),
     # experts as blocks of rows of 2-D parameters run by the model's own loop; sizes under DBRX's own names
     "dbrx": ("DbrxConfig", "DbrxForCausalLM",
         dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
