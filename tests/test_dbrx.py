@@ -178,3 +178,11 @@ def test_exports_are_refused_with_the_reason():
             export_model(model, result, kind, "/nonexistent/never-written")
     with pytest.raises(UnsupportedGGUFModel, match=r"model_type 'dbrx'\) has no GGUF exporter"):
         check_exportable(model)
+
+
+def test_fisher_gains_are_refused_with_the_reason():
+    from jgptq_torch.pipeline.calib import batches
+    from jgptq_torch.pipeline.gains import fisher_gains
+
+    with pytest.raises(models.UnsupportedModelError, match="output gradients of experts kept as blocks of rows"):
+        fisher_gains(build("dbrx"), batches(token_ids(2, 8, seed=0), batch_size=2))
