@@ -19,6 +19,8 @@ from tests.tiny_models import build, next_token_kl, token_ids
 transformers = pytest.importorskip("transformers")
 CALIB = token_ids(4, 16, seed=1)
 FSF = {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk_pattern": "FSF"}
+FOUR = {"num_hidden_layers": 4, "kv_source_layers": [0, 1, 1, 3],     # Kolibri 1.1 with a layer after the reader
+        "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention"]}
 
 
 def _hooked_inputs(model, ids):
@@ -213,3 +215,41 @@ def test_toy_state_is_carried():
         assert torch.equal(h0.carried[1], hidden[0].sum(-1))
         _, kw = inputs[0][1]
         assert isinstance(kw["state"], Carried) and kw["state"].index == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_float_stream_carries_its_own_state(monkeypatch):
+    """With the importance statistic taken on the float model (``imatrix_source="float"``) the run carries the
+    float model's stream beside its own: Kolibri 1.1's layer 2 on that stream reads the keys, values and pool float
+    layer 1 made on it, not the quantized layer's, so the stream's inputs to every layer (layer 3's: layer 2's
+    outputs) are the float forward's (to the capture implementation's float rounding)."""
+    from jgptq_torch.pipeline import float_stream
+
+    reference = build("kolibri1_1", **FOUR)
+    want = [[] for _ in reference.model.layers]
+    handles = [layer.register_forward_pre_hook(lambda m, args, i=i: want[i].append(args[0].clone()))
+               for i, layer in enumerate(reference.model.layers)]
+    try:
+        with torch.no_grad():
+            for ids in CALIB.split(2):
+                reference(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    seen, replay = {}, {}
+    original = float_stream.FloatStream.before_calibrate
+
+    def before_calibrate(self, run, step):
+        if step.first:
+            seen[step.index], replay[step.index] = list(run.float_hidden), list(step.hidden)
+        original(self, run, step)
+
+    monkeypatch.setattr(float_stream.FloatStream, "before_calibrate", before_calibrate)
+    jgptq.quantize_moe(build("kolibri1_1", **FOUR), CALIB, method="rtn", imatrix_source="float", bits=3, group_size=16,
+                       batch_size=2, progress=False)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for i in (1, 2, 3):
+        for b in range(2):
+            scale = float(want[i][b].abs().max())
+            assert float((seen[i][b] - want[i][b]).abs().max()) < 1e-5 * scale, (i, b)
+            assert float((replay[i][b] - want[i][b]).abs().max()) > 1e-3 * scale, (i, b)   # the run's own differs
