@@ -5,7 +5,8 @@
 - :func:`layer_targets`: the weights of one decoder layer to quantize: ``nn.Linear`` modules, fused experts
   modules (those decorated with transformers' ``use_experts_implementation``, which describe their own layout with
   the ``is_transposed`` / ``is_concatenated`` / ``has_gate`` / ``has_bias`` flags) and experts stacks that are
-  modules of their own (:data:`STACKED_EXPERTS`). Routers, embeddings and the output head are never targets.
+  modules of their own (:data:`STACKED_EXPERTS`), experts kept as blocks of rows of 2-D parameters
+  (:mod:`jgptq_torch.row_experts`). Routers, embeddings and the output head are never targets.
 - :class:`ExpertsLayout`: the nn.Linear-orientation (out, in) view of every expert's fused weights;
   :class:`StackLayout`: the same for a single stack.
 - :func:`checkpoint_names` (:mod:`jgptq_torch.checkpoint_keys`): where each row of a target lands in a checkpoint
@@ -21,6 +22,8 @@ import re
 
 import torch
 from torch import nn
+
+from jgptq_torch.row_experts import RowsLayout, is_row_experts
 
 
 class UnsupportedModelError(ValueError):
@@ -252,7 +255,7 @@ class LayerTargets:
     """The quantization targets of one decoder layer (names relative to the layer)."""
 
     linears: dict          # name -> nn.Linear
-    experts: dict          # name -> (module, ExpertsLayout or StackLayout)
+    experts: dict          # name -> (module, ExpertsLayout, StackLayout or RowsLayout)
     skipped: list          # names of parameters left in floating point, with the reason
     dropped: frozenset = frozenset()   # relative names of matrices left out by the plan
 
@@ -300,12 +303,13 @@ def layer_targets(layer: nn.Module, exclude: tuple = ()) -> LayerTargets:
         if any(name == p or name.startswith(p + ".") for p in inside):
             continue
         cls = type(module).__name__
-        if is_experts_module(module) or is_stacked(module):
+        if is_experts_module(module) or is_stacked(module) or is_row_experts(module):
             inside.append(name)
             if any(re.search(p, name) for p in exclude):
                 skipped.append((name, "excluded"))
                 continue
-            experts[name] = (module, (StackLayout if is_stacked(module) else ExpertsLayout).of(module))
+            layout = StackLayout if is_stacked(module) else RowsLayout if is_row_experts(module) else ExpertsLayout
+            experts[name] = (module, layout.of(module))
             continue
         if isinstance(module, nn.Linear):
             if _is_router(name):

@@ -14,7 +14,9 @@ RUN = {"method": "rtn", "bits": 4, "group_size": 16, "batch_size": 2, "progress"
 def _top_k(config) -> int:
     """Experts per token, under whichever name the family's config gives it."""
     names = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts")
-    return next(getattr(config, n) for n in names if isinstance(getattr(config, n, None), int))
+    ffn = getattr(config, "ffn_config", None)                           # DBRX keeps it in its FFN's config
+    return next(getattr(c, n) for c, n in [(config, n) for n in names] + [(ffn, "moe_top_k")]
+                if isinstance(getattr(c, n, None), int))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

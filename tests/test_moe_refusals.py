@@ -15,27 +15,13 @@ from tests.tiny_models import COMMON, build, token_ids
 transformers = pytest.importorskip("transformers")
 CALIB = token_ids(2, 16, seed=1)
 RUN = {"method": "rtn", "bits": 4, "group_size": 16, "batch_size": 2, "progress": False}
-MLA = dict(head_dim=8, intermediate_size=128, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
-           qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, q_lora_rank=32, n_routed_experts=8,
-           num_experts_per_tok=2)
-
 # family: (config class, model class, settings over COMMON, what the refusal must say)
 REFUSED = {
-    # each layer returns (hidden states, indexer top-k) and the forward hands the indices to the next layer
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-                    dict(MLA, mlp_layer_types=["dense", "sparse"], index_head_dim=16, index_n_heads=2, index_topk=8),
-                    "unpacks each decoder layer's output"),
     # the checkpoint holds q, k and v as one query_key_value key that transformers splits on load
     "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM",
                    dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                         num_experts_per_tok=2, first_k_dense_replace=1),
                    "query_key_value.weight' holds the rows of several quantized parameters"),
-    # experts as rows of 2-D parameters run by the model's own loop
-    "dbrx": ("DbrxConfig", "DbrxForCausalLM",
-             dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
-                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
-             "DbrxExpertGLU): experts kept as rows of a 2-D parameter"),
     # shared experts stacked in a 3-D tensor outside transformers' experts interface
     "inkling_text": ("InklingTextConfig", "InklingForCausalLM",
                      dict(head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, n_routed_experts=8,
@@ -49,7 +35,7 @@ def _build(family):
     torch.manual_seed(0)
     cls = getattr(transformers, cfg_name)
     base = cls().to_dict()
-    common = {k: v for k, v in COMMON.items() if k in base}      # DBRX names its sizes otherwise
+    common = {k: v for k, v in COMMON.items() if k in base}      # a family may name its sizes otherwise
     return getattr(transformers, model_name)(cls(**{**common, **extra})).eval()
 
 

@@ -14,7 +14,7 @@ The statistics are pairs of pure functions (:mod:`jgptq.statistics`: the Hessian
 
 Experts that transformers does not dispatch reach the same collector from hooks on their unchanged forwards: Llama
 4's (:mod:`jgptq_torch.pipeline.prescaled_capture`) and stacks of E matrices that are modules of their own, JetMoe's
-(:mod:`jgptq_torch.pipeline.stacked_capture`).
+(:mod:`jgptq_torch.pipeline.stacked_capture`); DBRX's blocks of rows (:mod:`jgptq_torch.pipeline.row_capture`).
 
 A collector made with ``span=(lo, hi)`` keeps the experts' statistics of experts ``lo <= e < hi`` only (entry
 ``e - lo`` of their stacks): a chunk of a layer's routed experts (:mod:`jgptq_torch.pipeline.expert_chunks`). It

@@ -212,13 +212,16 @@ def experts_implementation(model):
     dispatch report their routed inputs for the same block: those of :data:`jgptq_torch.models.PRESCALED_EXPERTS`
     through :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture`, experts stacks
     (:data:`jgptq_torch.models.STACKED_EXPERTS`) through
-    :func:`jgptq_torch.pipeline.stacked_capture.stacked_capture`."""
+    :func:`jgptq_torch.pipeline.stacked_capture.stacked_capture`, experts kept as blocks of rows
+    (:data:`jgptq_torch.row_experts.ROW_EXPERTS`) through :func:`jgptq_torch.pipeline.row_capture.row_capture`."""
     from jgptq_torch.pipeline.prescaled_capture import prescaled_capture
+    from jgptq_torch.pipeline.row_capture import row_capture
     from jgptq_torch.pipeline.stacked_capture import stacked_capture
 
     kinds = {models.is_prescaled(m) for m in model.modules() if models.is_experts_module(m)}
     with contextlib.ExitStack() as undispatched:
         undispatched.enter_context(stacked_capture(model))
+        undispatched.enter_context(row_capture(model))
         if True in kinds:
             undispatched.enter_context(prescaled_capture(model))
         if False not in kinds:                # nothing for transformers' experts interface to dispatch

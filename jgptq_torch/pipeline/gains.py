@@ -108,6 +108,10 @@ def _hooks(layers, found, prefix: str, sums: _Sums, state: dict):
                     out.register_hook(on_grad)
             handles.append(module.register_forward_hook(on_linear))
         for name, (module, layout) in target.experts.items():
+            if isinstance(layout, models.RowsLayout):
+                raise models.UnsupportedModelError(
+                    f"{base}.{name} ({type(module).__name__}): the output gradients of experts kept as blocks of rows "
+                    f"are not read; a budget allocation (target_bpw) is not available for this model")
             if isinstance(layout, models.StackLayout):
                 routing.watch(layer.get_submodule(name.rpartition(".")[0]), f"{base}.{name}", module)
                 handles.append(module.register_forward_hook(

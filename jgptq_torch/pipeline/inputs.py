@@ -2,6 +2,10 @@
 
 :func:`capture_inputs` gives the first layer's hidden states per calibration batch and every layer's other
 arguments (position embeddings, masks), moved to the run device; :func:`run_layer` runs a layer on them.
+
+State a model's forward hands from one layer to the next (a layer's further outputs, a container several layers
+share) is found during the capture and carried by each stream of hidden states
+(:mod:`jgptq_torch.pipeline.layer_state`).
 """
 
 from __future__ import annotations
@@ -9,23 +13,11 @@ from __future__ import annotations
 import torch
 
 from jgptq_torch import models
+from jgptq_torch.pipeline import layer_state as state
 
 
 class _StopForward(Exception):
     pass
-
-
-class _Unpacked(Exception):
-    pass
-
-
-class _LayerOutput(torch.Tensor):
-    """What a recorder returns to the model's forward: the hidden states, refusing to be unpacked. A forward that
-    unpacks a decoder layer's output (``hidden, state = layer(...)``) hands the next layer state that a run of one
-    layer at a time does not carry."""
-
-    def __iter__(self):
-        raise _Unpacked
 
 
 def _param_device(module) -> torch.device:
@@ -65,19 +57,22 @@ def capture_inputs(model, layers, batch_list, device):
                 hs, rest = args[0], args[1:]
             else:
                 hs, rest = kwargs.pop("hidden_states"), ()
-            if i and (type(hs) is not _LayerOutput or hs.shape != current["shape"]):
+            if i and (type(hs) is not state.LayerOutput or hs.shape != current["shape"]):
                 raise models.UnsupportedModelError(
                     f"{type(model).__name__}: decoder layer {i} is not given the hidden states layer {i - 1} "
                     f"returned; jgptq runs one layer at a time and carries only the hidden states between layers")
-            current["layers"][i] = _to((rest, kwargs), device, current["memo"])
+            current["layers"][i] = state.links((rest, kwargs), i)
             if i == 0:
                 current["hidden"] = hs.to(device)
             if i == len(layers) - 1:
                 raise _StopForward
             current["shape"] = hs.shape
-            return hs.as_subclass(_LayerOutput)
+            out = hs.as_subclass(state.LayerOutput)
+            out.__dict__.update(arity=arities[i], layer=i)
+            return out
         return forward
 
+    arities = [state.output_arity(layer) for layer in layers]
     for i, layer in enumerate(layers):
         layer.forward = recorder(i)
     emb = model.get_input_embeddings()
@@ -90,16 +85,23 @@ def capture_inputs(model, layers, batch_list, device):
                       use_cache=False)
             except _StopForward:
                 pass
-            except _Unpacked:
+            except state.Unpacked:
                 raise models.UnsupportedModelError(
                     f"{type(model).__name__}: its forward unpacks each decoder layer's output into several values "
-                    f"(state handed from one layer to the next, such as routing or attention indices); jgptq runs "
-                    f"one layer at a time and carries only the hidden states between layers") from None
+                    f"(state handed from one layer to the next) and its decoder layer's forward does not say how "
+                    f"many (a return annotation tuple[...] of a fixed length); jgptq cannot carry that state") from None
+            except state.Touched:
+                raise models.UnsupportedModelError(
+                    f"{type(model).__name__}: its forward computes on a value a decoder layer returned beside the "
+                    f"hidden states before handing it on; jgptq carries such state only as the layer returned it"
+                ) from None
             if current["hidden"] is None or any(r is None for r in current["layers"]):
                 raise models.UnsupportedModelError(
                     f"{type(model).__name__}: the forward did not call every decoder layer in order")
+            memo = current["memo"]
+            shared = state.share(current["layers"], lambda x, memo=memo: _to(x, device, memo))
             hidden.append(current["hidden"])
-            inputs.append(current["layers"])
+            inputs.append([_to(args, device, memo) for args in shared])
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
@@ -107,5 +109,10 @@ def capture_inputs(model, layers, batch_list, device):
 
 
 def run_layer(layer, hs, rest, kwargs):
+    """Runs ``layer`` on hidden states ``hs`` (B, S, H) and its captured arguments, their links filled from the state
+    ``hs`` carries (:func:`jgptq_torch.pipeline.layer_state.fill`). Returns the output hidden states, carrying the
+    state the layer hands on (:func:`jgptq_torch.pipeline.layer_state.attach`)."""
+    (rest, kwargs), given = state.fill(layer, hs, (rest, kwargs))
     out = layer(hs, *rest, **kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    hidden = out[0] if isinstance(out, (tuple, list)) else out
+    return state.attach(hidden, out, hs, given)

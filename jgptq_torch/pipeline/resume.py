@@ -5,7 +5,8 @@
 - ``layer-<i>.safetensors``: the layer's quantized records (codes, scales, zeros, g_idx and grid facts in the
   header; GGML payload bytes and their format) and its importance statistic (imatrix entries), and
   ``layer-<i>.json``: its part of the report (per-matrix records, expert coverage, warnings, times);
-- ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch);
+- ``inputs-<i+1>.safetensors``: the next layer's input activations (one tensor per calibration batch, with the
+  state the previous layer hands it, :mod:`jgptq_torch.pipeline.layer_state`);
 - ``state.json``: how many layers are done, and the run's fingerprint: the model (config, class, a BLAKE2 hash of
   every weight), the calibration tokens (hash of ids and masks) and the configuration (every field but those of
   ``jgptq.config.RUN_FIELDS``: progress bars, offload mode and folder, device budget; ``PipelineConfig.what()``),
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jgptq_torch.pipeline import layer_state
 from jgptq_torch.report import ModuleRecord
 from jgptq_torch.write_errors import writing
 from jgptq.export.records import GGMLWeight, QuantizedWeight
@@ -220,9 +222,15 @@ class Checkpoint:
         _replace_into(self._layer(i, ".safetensors"), lambda p: save_numpy(arrays, str(p), metadata=header))
         _replace_into(self._layer(i, ".json"), lambda p: p.write_text(json.dumps(report_part)))
         if next_hidden is not None:
-            tensors = {str(b): h.detach().to("cpu").contiguous() for b, h in enumerate(next_hidden)}
-            tensors.update({f"float.{b}": h.detach().to("cpu").contiguous() for b, h in enumerate(float_hidden or ())})
-            _replace_into(self._inputs(i + 1), lambda p: save_torch(tensors, str(p)))
+            tensors, layouts = {}, {}   # with the state each stream hands the next layer
+            for name, h in [(str(b), h) for b, h in enumerate(next_hidden)] + \
+                    [(f"float.{b}", h) for b, h in enumerate(float_hidden or ())]:
+                tensors[name] = h.detach().to("cpu").contiguous()
+                more, where = layer_state.stored_state(name, h)
+                tensors.update(more)
+                layouts.update(where)
+            _replace_into(self._inputs(i + 1), lambda p: save_torch(tensors, str(p),
+                                                                    metadata={"state": json.dumps(layouts)}))
         state = {"version": FORMAT_VERSION, "layers_done": i + 1, "fingerprint": self.fingerprint}
 
         def write_state(p: Path):
@@ -258,6 +266,7 @@ class Checkpoint:
     def load_hidden(self, i: int, device, stream: str = "replay") -> list:
         """The stored inputs of layer ``i``, one tensor per calibration batch, on ``device``: the run's
         (``stream="replay"``) or the float model's stream (``"float"``)."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         path = self._inputs(i)
@@ -265,12 +274,16 @@ class Checkpoint:
             raise ResumeMismatchError(f"{path.name} is missing from {self.dir}; start over with resume=False "
                                       f"(command line: --no-resume)")
         stored = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            layouts = json.loads((f.metadata() or {}).get("state", "{}"))
         prefix = "float." if stream == "float" else ""
         count = sum(1 for k in stored if k.startswith(prefix) and k[len(prefix):].isdigit())
         if not count:
             raise ResumeMismatchError(f"{path.name} in {self.dir} holds no inputs of the {stream} stream; start "
                                       f"over with resume=False (command line: --no-resume)")
-        return [stored[f"{prefix}{b}"].to(device) for b in range(count)]
+        return [layer_state.restore_state(stored[f"{prefix}{b}"].to(device), f"{prefix}{b}", stored, layouts,
+                                          device)
+                for b in range(count)]
 
 
 def report_part(report, layer: int, prefix: str, marks: tuple) -> dict:
