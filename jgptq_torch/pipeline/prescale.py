@@ -144,6 +144,10 @@ def fold_layer(run, step, base: str) -> dict:
         if odd:
             groups[producer] = {"readers": readers, "alpha": None, "reason": f"read by {odd} as well"}
             continue
+        other = [r for r in readers if r in by_module and by_module[r][0] not in pre]
+        if other:   # their solve would get scaled weights with an unscaled Hessian
+            groups[producer] = {"readers": readers, "alpha": None, "reason": f"{other} planned with another method"}
+            continue
         members, hs, tokens = [], [], []
         for _, m in targets:
             key = collector.tie.get(m.hessian_key) if m.layout is None else m.hessian_key
