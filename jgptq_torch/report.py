@@ -67,6 +67,7 @@ class Report:
     warnings: list = dataclasses.field(default_factory=list)
     memory: dict = dataclasses.field(default_factory=dict)      # bytes by place (see jgptq_torch.pipeline.offload)
     allocation: dict = dataclasses.field(default_factory=dict)  # a target_bpw run's choice (jgptq_torch.pipeline.sensitivity)
+    prescale: dict = dataclasses.field(default_factory=dict)    # layer -> producer -> awq's scales (pipeline.prescale)
 
     def add_time(self, layer: int, stage: str, seconds: float):
         stages = self.timings.setdefault(int(layer), {})
@@ -95,7 +96,7 @@ class Report:
             "records": records, "coverage": self.coverage, "thresholds": self.thresholds,
             "timings": {str(k): v for k, v in self.timings.items()}, "stage_totals": self.stage_totals(),
             "skipped": [list(s) for s in self.skipped], "warnings": list(self.warnings), "memory": self.memory,
-            "allocation": self.allocation,
+            "allocation": self.allocation, "prescale": self.prescale,
         }
 
     def to_json(self, path: Optional[str] = None, **kwargs) -> str:

@@ -20,7 +20,7 @@ def test_build_routes_keywords_to_the_right_config():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(calibration="some"), "MoEConfig.calibration"), (dict(min_tokens=0), "MoEConfig.min_tokens"),
-    (dict(min_token_fraction=1.5), "MoEConfig.min_token_fraction"), (dict(method="awq"), "PipelineConfig.method"),
+    (dict(min_token_fraction=1.5), "MoEConfig.min_token_fraction"), (dict(method="smoothquant"), "PipelineConfig.method"),
     (dict(hessian_dtype="float16"), "PipelineConfig.hessian_dtype"), (dict(batch_size=0), "PipelineConfig.batch_size"),
     (dict(exclude=["("]), "not a regular expression"), (dict(bits=1), "QuantConfig.bits"),
     ({"router_weighting": "cubic"}, "MoEConfig.router_weighting"),

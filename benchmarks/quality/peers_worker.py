@@ -174,7 +174,9 @@ def run_jgptq(spec, bits, group_size, model_dir, calib, out) -> dict:
     q = result.config.quant
     return {"quantize_s": seconds, "load_s": load_s, "save_s": time.perf_counter() - t0,
             "modules_quantized": len(result.weights), "version": jgptq.__version__,
-            "stage_s": result.report.stage_totals(),
+            "stage_s": result.report.stage_totals(), "warnings": list(result.report.warnings),
+            "prescale": {layer: {g: {k: v for k, v in d.items() if k != "priced"} for g, d in groups.items()}
+                         for layer, groups in result.report.prescale.items()},
             "settings": {"method": method, "bits": q.bits, "symmetric": q.sym, "group_size": q.group_size,
                          "act_order": q.act_order, "damp": q.damp, "scale_dtype": q.scale_dtype,
                          "batch_size": opts["batch_size"], "moe_calibration": result.config.moe.calibration,

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 # built-in method name -> the module that registers it on import
 _BUILTIN = {"gptq": "jgptq.methods.gptq", "rtn": "jgptq.methods.rtn", "gptq_search": "jgptq.methods.gptq_search",
             "gptq_search_diag": "jgptq.methods.gptq_search", "gptq_ef": "jgptq.methods.error_feedback",
-            "gptq_ef_half": "jgptq.methods.error_feedback"}
+            "gptq_ef_half": "jgptq.methods.error_feedback", "awq": "jgptq.methods.awq", "awq_rtn": "jgptq.methods.awq"}
 _REGISTERED: dict = {}
 
 

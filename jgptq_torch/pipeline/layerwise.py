@@ -68,6 +68,7 @@ from jgptq_torch.pipeline import (
     float_stream,
     hooks,
     importance,
+    prescale,
     run_setup,
 )
 from jgptq_torch.pipeline.calibrate import calibrate
@@ -121,6 +122,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     """
     share_gpu_with_torch()
     cfg = PipelineConfig.build(config, **kwargs)
+    prescale.check_run(cfg, checkpoint_dir, source)
     xla_options.enable_compilation_cache()
     if checkpoint_dir is not None and cfg.keep_hessians:
         raise ValueError("keep_hessians cannot be combined with checkpoint_dir: Hessians are not checkpointed")
@@ -266,7 +268,9 @@ def _solve(run: Run, step: LayerStep) -> tuple:
     own = importance.layer_imatrix(collector, run.prefix, i, target, span)
     given = run.given if run.given is not None else step.imatrix
     stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
-    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, span)
+    scales = prescale.fold_layer(run, step, base)
+    stacks = prescale.scale_stacks(layer_stacks(collector, target, base, run.plan, run.cfg, stats, span), scales,
+                                   collector)
     for name, counts in collector.routed.items():
         if collector.batch_tokens and not sum(counts):
             raise models.UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "

@@ -200,8 +200,9 @@ def test_act_order_router_weighting_and_method_options_make_the_pipeline_config(
     assert config("--act-order", "none").quant.act_order == "none"
     assert config("--router-weighting", "squared").moe.router_weighting == "squared"
     assert config("--method", "gptq_search_diag").method == "gptq_search_diag"   # methods built into jgptq
+    assert config("--method", "awq").method == "awq"
     with pytest.raises(SystemExit):
-        config("--method", "awq")
+        config("--method", "smoothquant")
     with pytest.raises(ValueError, match="MoEConfig.router_weighting"):
         config("--router-weighting", "linear", "--calibration", "all_experts")
 
