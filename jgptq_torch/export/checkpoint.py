@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from jgptq_torch import checkpoint_keys, models
+from jgptq_torch import checkpoint_keys
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq.export import export_compressed_tensors, export_gptq_v1
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir
