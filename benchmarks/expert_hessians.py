@@ -11,7 +11,6 @@ each, their ratio, and the largest relative difference of the resulting Hessians
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from benchmarks import common
