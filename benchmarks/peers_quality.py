@@ -175,11 +175,7 @@ def main(argv=None):
     from jgptq_torch.cli.evaluate import evaluate
 
     torch.manual_seed(0)
-    data = corpus.corpus_bytes()
-    splits = corpus.split(data)
-    arch, train_cfg = lm.MODELS[args.model]
-    float_model, info = lm.trained_model(splits, corpus.corpus_digest(data), DEFAULT_CACHE, steps=args.train_steps,
-                                         arch=arch, train_cfg=train_cfg)
+    splits, float_model, info = lm.named_model(args.model, DEFAULT_CACHE, steps=args.train_steps)
     work = args.work or tempfile.mkdtemp(prefix="peers_quality_")
     os.makedirs(work, exist_ok=True)
     calib = corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs)

@@ -71,11 +71,7 @@ def _setup(args):
     from benchmarks.quality import corpus, lm
     from benchmarks.target_bpw import _imatrix
 
-    data = corpus.corpus_bytes()
-    splits = corpus.split(data)
-    arch, train_cfg = lm.MODELS[args.model]
-    model, info = lm.trained_model(splits, corpus.corpus_digest(data), args.cache_dir,
-                                   steps=4 if args.small else None, arch=arch, train_cfg=train_cfg)
+    splits, model, info = lm.named_model(args.model, args.cache_dir, steps=4 if args.small else None)
     calib = torch.from_numpy(corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs))
     batch = min(32, args.calib_seqs)
     imat, _ = _imatrix(os.path.join(info["folder"], f"imatrix-{args.calib_seqs}x{args.calib_len}.npz"),

@@ -179,6 +179,19 @@ def expert_usage(model, windows: np.ndarray, batch: int = 16) -> dict:
             "normalised_entropy": entropy.tolist()}
 
 
+def named_model(name: str, cache_dir: str, *, steps: int | None = None):
+    """The corpus's splits and the trained model ``MODELS[name]`` (:func:`trained_model`, from ``cache_dir`` when
+    cached): (splits, model, info)."""
+    from benchmarks.quality import corpus
+
+    data = corpus.corpus_bytes()
+    splits = corpus.split(data)
+    arch, train_cfg = MODELS[name]
+    model, info = trained_model(splits, corpus.corpus_digest(data), cache_dir, steps=steps, arch=arch,
+                                train_cfg=train_cfg)
+    return splits, model, info
+
+
 def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | None = None, arch: dict = ARCH,
                   train_cfg: dict = TRAIN, log=print):
     """The trained model for these settings, from ``cache_dir`` when present, else trained and cached.
