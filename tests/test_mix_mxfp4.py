@@ -5,6 +5,7 @@ the tensor types ``llama_model_quantize`` itself writes for a Qwen3-MoE model.""
 import pytest
 
 from jgptq import PipelineConfig, mixes, plan
+from tests.export.gguf_models import flat_imatrix
 from tests.test_mix_presets import NAMES, _tiny_qwen3_moe
 
 
@@ -44,8 +45,6 @@ def test_config_and_possible_formats():
 @pytest.mark.parametrize("shape", [(8, 4, 2), (16, 8, 2)], ids=["E8-gqa2", "E16-gqa4"])
 def test_mix_matches_llama_model_quantize(shape, tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
 
     from benchmarks.quality import llama_side
     from jgptq_torch.export.gguf.arch import gguf_names
@@ -56,11 +55,7 @@ def test_mix_matches_llama_model_quantize(shape, tmp_path, monkeypatch):
     model = _tiny_qwen3_moe(*shape)
     src = str(tmp_path / "f32.gguf")
     export_gguf(model, None, src, overwrite=True, float_type="f32")
-    imatrix = {}
-    for t in gguf.GGUFReader(src).tensors:
-        if t.name.startswith("blk.") and len(t.shape) >= 2:
-            experts = int(t.shape[2]) if len(t.shape) > 2 else 1
-            imatrix[t.name] = np.ones(int(t.shape[0]) * experts, np.float32)
+    imatrix = flat_imatrix(src)
     dst = str(tmp_path / "mxfp4_moe.gguf")
     llama_side.quantize(src, dst, "mxfp4_moe", imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)

@@ -2,10 +2,10 @@
 out from llama.cpp's ``llama_tensor_get_type_impl`` (src/llama-quant.cpp), and, where llama-cpp-python is
 installed, against the tensor types ``llama_model_quantize`` itself writes for the same Qwen3-MoE model."""
 
-import numpy as np
 import pytest
 
 from jgptq import mixes
+from tests.export.gguf_models import flat_imatrix
 
 NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -76,22 +76,16 @@ def _tiny_qwen3_moe(n_expert, heads, kv_heads):
 @pytest.mark.parametrize("shape", [(8, 4, 2), (16, 8, 2)], ids=["E8-gqa2", "E16-gqa4"])
 def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     pytest.importorskip("llama_cpp")
-    gguf = pytest.importorskip("gguf")
     from benchmarks.quality import llama_side
-    from jgptq_torch.pipeline import layerwise
-    from jgptq_torch.pipeline import run_setup
+    from jgptq import PipelineConfig
     from jgptq_torch.export.gguf.arch import gguf_names
     from jgptq_torch.export.gguf.export import export_gguf
-    from jgptq import PipelineConfig
+    from jgptq_torch.pipeline import layerwise, run_setup
 
     model = _tiny_qwen3_moe(*shape)
     src = str(tmp_path / "f32.gguf")
     export_gguf(model, None, src, overwrite=True, float_type="f32")
-    imatrix = {}
-    for t in gguf.GGUFReader(src).tensors:  # a flat importance for every weight matrix of a layer
-        if t.name.startswith("blk.") and len(t.shape) >= 2:
-            experts = int(t.shape[2]) if len(t.shape) > 2 else 1
-            imatrix[t.name] = np.ones(int(t.shape[0]) * experts, np.float32)
+    imatrix = flat_imatrix(src)
     dst = str(tmp_path / f"{preset}.gguf")
     llama_side.quantize(src, dst, preset, imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)

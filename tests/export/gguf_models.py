@@ -95,3 +95,14 @@ def field(reader, key):
             return [bytes(f.parts[i]).decode() for i in f.data]
         return [f.parts[i][0].item() for i in f.data]
     return f.parts[f.data[0]][0].item()
+
+
+def flat_imatrix(path: str) -> dict:
+    """A flat importance (all ones) for every weight matrix of a layer of the GGUF file at ``path``, in the form
+    llama.cpp's quantizer takes: tensor name -> (columns x experts,) float32."""
+    imatrix = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("blk.") and len(t.shape) >= 2:
+            experts = int(t.shape[2]) if len(t.shape) > 2 else 1
+            imatrix[t.name] = np.ones(int(t.shape[0]) * experts, np.float32)
+    return imatrix

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.export.family_models import build
+from tests.export.gguf_models import flat_imatrix
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -18,7 +19,6 @@ WIDE = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key
 @pytest.mark.parametrize("preset", ["q4_k_m", "q3_k_m"])
 def test_deepseek2_mix_formats_match_llama_model_quantize(preset, tmp_path):
     pytest.importorskip("llama_cpp")
-    gguf = pytest.importorskip("gguf")
     from benchmarks.quality import llama_side
     from jgptq import PipelineConfig
     from jgptq_torch.export.gguf.arch import gguf_names
@@ -28,11 +28,7 @@ def test_deepseek2_mix_formats_match_llama_model_quantize(preset, tmp_path):
     model = build("deepseek_v3", **WIDE)
     src = str(tmp_path / "f32.gguf")
     export_gguf(model, None, src, float_type="f32")
-    imatrix = {}
-    for t in gguf.GGUFReader(src).tensors:
-        if t.name.startswith("blk.") and len(t.shape) >= 2:
-            experts = int(t.shape[2]) if len(t.shape) > 2 else 1
-            imatrix[t.name] = np.ones(int(t.shape[0]) * experts, np.float32)
+    imatrix = flat_imatrix(src)
     dst = str(tmp_path / f"{preset}.gguf")
     llama_side.quantize(src, dst, preset, imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)

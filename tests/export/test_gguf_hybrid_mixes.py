@@ -13,11 +13,11 @@ head, 4 experts (and 8, for llama.cpp's 8-expert rule, with 2 query heads per ke
 
 import functools
 
-import numpy as np
 import pytest
 
 from jgptq import mixes
 from tests.export.family_models import build
+from tests.export.gguf_models import flat_imatrix
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -41,7 +41,6 @@ def _model(family, shape):
 @pytest.fixture(scope="module")
 def float_file(tmp_path_factory):
     """(model, F32 GGUF path, a flat importance per weight) of a family and shape, written once per module."""
-    gguf = pytest.importorskip("gguf")
     from jgptq_torch.export.gguf.export import export_gguf
 
     made = {}
@@ -51,11 +50,7 @@ def float_file(tmp_path_factory):
             model = _model(family, shape)
             src = str(tmp_path_factory.mktemp(f"{family}-{shape}") / "f32.gguf")
             export_gguf(model, None, src, float_type="f32")
-            imatrix = {}
-            for t in gguf.GGUFReader(src).tensors:
-                if t.name.startswith("blk.") and len(t.shape) >= 2:
-                    experts = int(t.shape[2]) if len(t.shape) > 2 else 1
-                    imatrix[t.name] = np.ones(int(t.shape[0]) * experts, np.float32)
+            imatrix = flat_imatrix(src)
             made[family, shape] = (model, src, imatrix)
         return made[family, shape]
 
