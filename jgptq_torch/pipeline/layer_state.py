@@ -168,25 +168,19 @@ def share(layer_args: list, moved) -> list:
     return [_map(args, lambda x: slots.get(id(x), x)) for args in layer_args]
 
 
-def _wants(obj, kind) -> bool:
-    found = []
-    _map(obj, lambda x: found.append(x) if isinstance(x, kind) else None)
-    return bool(found)
-
-
 def fill(layer, hs, args):
     """(the layer's arguments with their links filled from the state ``hs`` carries, {slot: container given}).
 
     Raises:
       RuntimeError: a :class:`Carried` link while ``hs`` carries no further values of a previous layer."""
     carried, shared = hs.__dict__.get(CARRIED), hs.__dict__.get(SHARED, {})
-    if carried is None and _wants(args, Carried):
-        raise RuntimeError(f"{type(layer).__name__}: takes state from the previous layer's output, which these "
-                           f"hidden states do not carry")
     given: dict = {}
 
     def leaf(x):
         if isinstance(x, Carried):
+            if carried is None:
+                raise RuntimeError(f"{type(layer).__name__}: takes state from the previous layer's output, which "
+                                   f"these hidden states do not carry")
             return carried.get(x.index)
         if isinstance(x, Shared):
             if x.slot not in given:
