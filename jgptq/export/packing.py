@@ -26,6 +26,9 @@ import numpy as np
 
 # Rows packed per step, so the bit-level temporaries stay near this many bytes whatever the matrix size.
 _CHUNK_BITS = 1 << 26
+# Rows packed per step where bits divide 8 (no bit-level temporaries): this many input bytes, which keeps a step's
+# few passes in cache.
+_CHUNK_BYTES = 1 << 19
 
 
 def packed_length(n: int, bits: int) -> int:
@@ -48,15 +51,15 @@ def pack_int32(values: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
     values = np.asarray(values)
     if values.dtype.kind not in "iub":
         raise ValueError(f"pack_int32: values must be integers, got {values.dtype}")
-    if values.size and (values.min() < 0 or values.max() >= (1 << bits)):
+    if values.size and ((values.dtype.kind == "i" and values.min() < 0) or values.max() >= (1 << bits)):
         raise ValueError(f"pack_int32: values must lie in [0, {(1 << bits) - 1}] for {bits} bits, found "
                          f"[{values.min()}, {values.max()}]")
     moved = np.moveaxis(values, axis, -1)
     lead, n = moved.shape[:-1], moved.shape[-1]
-    lines = moved.reshape(-1, n).astype(np.uint8)
+    lines = moved.reshape(-1, n).astype(np.uint8, copy=False)
     words = packed_length(n, bits)
     out = np.empty((lines.shape[0], words), np.int32)
-    step = max(1, _CHUNK_BITS // max(1, 8 * n * bits))
+    step = max(1, (_CHUNK_BYTES // max(1, n)) if 8 % bits == 0 else (_CHUNK_BITS // max(1, 8 * n * bits)))
     for r0 in range(0, lines.shape[0], step):
         out[r0:r0 + step] = _pack_lines(lines[r0:r0 + step], bits, words)
     return np.moveaxis(out.reshape(lead + (words,)), -1, axis)
@@ -93,28 +96,39 @@ def unpack_int32(words: np.ndarray, bits: int, length: int, axis: int = -1) -> n
 def _pack_lines(lines: np.ndarray, bits: int, words: int) -> np.ndarray:
     """uint8 (L, n) -> int32 (L, words)."""
     rows, n = lines.shape
-    if 32 % bits == 0:
-        return _pack_whole_words(lines, bits, words)
+    if 8 % bits == 0:
+        return _pack_whole_bytes(lines, bits, words)
     stream = np.unpackbits(lines[..., None], axis=-1, count=bits, bitorder="little")  # (L, n, bits)
     stream = stream.reshape(rows, n * bits)
     stream = np.pad(stream, ((0, 0), (0, 32 * words - n * bits)))
     packed = np.packbits(stream, axis=-1, bitorder="little")                            # (L, 4 * words)
-    return np.ascontiguousarray(packed).view("<i4").astype(np.int32)
+    return np.ascontiguousarray(packed).view("<i4").astype(np.int32, copy=False)
 
 
-def _pack_whole_words(lines: np.ndarray, bits: int, words: int) -> np.ndarray:
-    """:func:`_pack_lines` for widths that divide 32 (no value straddles two words): each word is built by
-    shifting in its values from the last to the first, about 20 times faster than going through a bit stream."""
+def _pack_whole_bytes(lines: np.ndarray, bits: int, words: int) -> np.ndarray:
+    """:func:`_pack_lines` for widths that divide 8 (1, 2, 4, 8 bits): no value straddles a byte, so the words'
+    little-endian bytes are built directly and viewed as int32. For 2 and 4 bits the ``per = 8 // bits`` values
+    of a byte are read as one little-endian ``per``-byte integer ``x`` (value ``k`` at bit ``8k``) and
+    ``x | x >> (8 - bits) | x >> 2 (8 - bits) | ...`` puts value ``k`` at bit ``bits * k`` of the low byte; the
+    other values land above it or fall off (all values are below ``2**bits``). A few passes over the bytes,
+    about 3 times faster than shifting values into uint32 words one at a time."""
     rows, n = lines.shape
     per = 32 // bits
     if n != words * per:
         lines = np.pad(lines, ((0, 0), (0, words * per - n)))
-    values = lines.reshape(rows, words, per)
-    out = values[:, :, per - 1].astype(np.uint32)
-    for k in range(per - 2, -1, -1):
-        out <<= np.uint32(bits)
-        out |= values[:, :, k]
-    return out.view(np.int32)
+    lines = np.ascontiguousarray(lines)
+    if bits == 8:
+        packed = lines
+    elif bits == 1:
+        packed = np.packbits(lines, axis=-1, bitorder="little")
+    else:
+        values = 8 // bits
+        x = lines.view(f"<u{values}")                                       # (L, 4 * words)
+        acc = x.copy()
+        for k in range(1, values):
+            acc |= x >> np.array(k * (8 - bits), x.dtype)
+        packed = acc.astype(np.uint8)                                        # the low byte of each
+    return packed.view("<i4").astype(np.int32, copy=False)
 
 
 def _unpack_lines(lines: np.ndarray, bits: int, length: int) -> np.ndarray:

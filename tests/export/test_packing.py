@@ -58,6 +58,14 @@ def test_large_lines_are_chunked_consistently(monkeypatch):
     whole = pack_int32(v, 3, axis=1)
     monkeypatch.setattr(packing, "_CHUNK_BITS", 1)  # one line per step
     assert np.array_equal(pack_int32(v, 3, axis=1), whole)
+    for bits in (1, 2, 4, 8):                          # the whole-byte path steps by input bytes
+        u = rng.integers(0, 1 << bits, (37, 50)).astype(np.uint8)
+        one_step = pack_int32(u, bits, axis=1)
+        monkeypatch.setattr(packing, "_CHUNK_BYTES", 1)
+        assert np.array_equal(pack_int32(u, bits, axis=1), one_step)
+        assert np.array_equal(unpack_int32(one_step, bits, 50, axis=1), u)
+        monkeypatch.undo()
+    monkeypatch.setattr(packing, "_CHUNK_BITS", 1)
     assert np.array_equal(unpack_int32(whole, 3, 50, axis=1), v)
 
 
