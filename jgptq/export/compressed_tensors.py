@@ -48,6 +48,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
 import warnings
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -56,6 +58,7 @@ import numpy as np
 
 from jgptq.export import packing
 from jgptq.export.common import check_model_config, finish_config, iterate_entries, module_name, version_tag
+from jgptq.export.pool import check_workers, ordered_results
 from jgptq.export.records import SCALE_DTYPES, QuantizedWeight, storage_dtype
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir, write_checkpoint
 
@@ -98,7 +101,8 @@ def export_compressed_tensors(out_dir, quantized: Entries, *, tensors: Optional[
                               model_config: Mapping, ignore: Sequence[str] = ("lm_head",),
                               scale_dtype: Optional[str] = None, quant_config=None, group_actorder: bool = False,
                               extra_files: Optional[Mapping[str, object]] = None,
-                              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> dict:
+                              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                              workers: Optional[int] = None) -> dict:
     """Writes a compressed-tensors ``pack-quantized`` checkpoint folder.
 
     Args:
@@ -116,11 +120,14 @@ def export_compressed_tensors(out_dir, quantized: Entries, *, tensors: Optional[
       extra_files: more files for the folder: name -> bytes, str or path.
       max_shard_bytes: most tensor bytes per safetensors file.
       overwrite: replace an existing non-empty folder.
+      workers: threads packing records ahead of the writer, in order (None: :func:`jgptq.export.pool.default_workers`;
+        1: one at a time in the calling thread). The bytes written are the same for any number.
     Returns:
       The ``quantization_config`` dict written.
     """
     check_output_dir(out_dir, overwrite)
     check_model_config(model_config)
+    workers = check_workers(workers)
     if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype={scale_dtype!r} must be one of {SCALE_DTYPES}")
     ignore = list(ignore)
@@ -128,7 +135,7 @@ def export_compressed_tensors(out_dir, quantized: Entries, *, tensors: Optional[
     state = {"key": None, "first": None, "act_orders": set(), "scale_dtype": scale_dtype, "count": 0}
     quantized_modules: set[str] = set()
 
-    def stream():
+    def jobs():
         for raw, record in iterate_entries(quantized, "quantized"):
             if not isinstance(record, QuantizedWeight):
                 raise ValueError(f"{raw}: expected a QuantizedWeight, got {type(record).__name__}")
@@ -145,7 +152,11 @@ def export_compressed_tensors(out_dir, quantized: Entries, *, tensors: Optional[
             state["act_orders"].add(record.act_order)
             state["count"] += 1
             quantized_modules.add(name)
-            yield from compressed_tensors(name, record, state["scale_dtype"], group_actorder).items()
+            yield functools.partial(compressed_tensors, name, record, state["scale_dtype"], group_actorder)
+
+    def stream():
+        for packed in ordered_results(jobs(), workers):
+            yield from packed.items()
         for name, array in iterate_entries(tensors or {}, "tensors"):
             if name.endswith(".weight") and name[: -len(".weight")] in quantized_modules:
                 raise ValueError(f"{name}: the module is quantized; its dense weight cannot be written too")
@@ -158,9 +169,10 @@ def export_compressed_tensors(out_dir, quantized: Entries, *, tensors: Optional[
             memo.update(ct_quantization_config(state, ignore, quant_config, group_actorder))
         return memo
 
-    write_checkpoint(out_dir, stream(),
-                     json_files={"config.json": lambda: finish_config(model_config, quantization_config())},
-                     extra_files=extra_files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    with contextlib.closing(stream()) as written:
+        write_checkpoint(out_dir, written,
+                         json_files={"config.json": lambda: finish_config(model_config, quantization_config())},
+                         extra_files=extra_files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     _warn_on_dtype(model_config, state["scale_dtype"])
     return memo
 

@@ -39,12 +39,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Iterable, Mapping, Optional, Union
 
 import numpy as np
 
 from jgptq.export import packing
 from jgptq.export.common import check_model_config, finish_config, iterate_entries, module_name, version_tag
+from jgptq.export.pool import check_workers, ordered_results
 from jgptq.export.records import QuantizedWeight
 from jgptq.export.shards import DEFAULT_SHARD_BYTES, check_output_dir, write_checkpoint
 
@@ -73,8 +76,8 @@ def gptq_tensors(name: str, record: QuantizedWeight) -> dict[str, np.ndarray]:
                          f"QuantConfig(scale_dtype='float16') so the checkpoint decodes to the solved weights")
     bits = record.bits
     return {
-        f"{name}.qweight": packing.pack_int32(record.codes.T, bits, axis=0),
-        f"{name}.qzeros": packing.pack_int32(record.zeros.T.astype(np.int32) - 1, bits, axis=1),
+        f"{name}.qweight": np.ascontiguousarray(packing.pack_int32(record.codes.T, bits, axis=0)),
+        f"{name}.qzeros": np.ascontiguousarray(packing.pack_int32(record.zeros.T.astype(np.int32) - 1, bits, axis=1)),
         f"{name}.scales": np.ascontiguousarray(scales16.T),
         f"{name}.g_idx": record.g_idx.astype(np.int32),
     }
@@ -83,7 +86,8 @@ def gptq_tensors(name: str, record: QuantizedWeight) -> dict[str, np.ndarray]:
 def export_gptq_v1(out_dir, quantized: Entries, *, tensors: Optional[Entries] = None,
                    model_config: Mapping, quant_config=None, true_sequential: bool = True,
                    extra_files: Optional[Mapping[str, object]] = None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> dict:
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                   workers: Optional[int] = None) -> dict:
     """Writes a GPTQ v1 checkpoint folder.
 
     Args:
@@ -100,22 +104,29 @@ def export_gptq_v1(out_dir, quantized: Entries, *, tensors: Optional[Entries] = 
       extra_files: more files for the folder (tokenizer, generation config): name -> bytes, str or path.
       max_shard_bytes: most tensor bytes per safetensors file.
       overwrite: replace an existing non-empty folder.
+      workers: threads packing records ahead of the writer, in order (None: :func:`jgptq.export.pool.default_workers`;
+        1: one at a time in the calling thread). The bytes written are the same for any number.
     Returns:
       The ``quantization_config`` dict written.
     """
     check_output_dir(out_dir, overwrite)
     check_model_config(model_config)
+    workers = check_workers(workers)
     seen = _Seen()
     quantized_modules: set[str] = set()
 
-    def stream():
+    def jobs():
         for raw, record in iterate_entries(quantized, "quantized"):
             if not isinstance(record, QuantizedWeight):
                 raise ValueError(f"{raw}: expected a QuantizedWeight, got {type(record).__name__}")
             name = module_name(raw)
             seen.add(name, record)
             quantized_modules.add(name)
-            yield from gptq_tensors(name, record).items()
+            yield functools.partial(gptq_tensors, name, record)
+
+    def stream():
+        for packed in ordered_results(jobs(), workers):
+            yield from packed.items()
         for name, array in iterate_entries(tensors or {}, "tensors"):
             array = np.asarray(array)
             if name.endswith(".bias") and name[: -len(".bias")] in quantized_modules:
@@ -131,10 +142,11 @@ def export_gptq_v1(out_dir, quantized: Entries, *, tensors: Optional[Entries] = 
             memo.update(gptq_quantization_config(seen, quant_config, true_sequential))
         return memo
 
-    write_checkpoint(out_dir, stream(), json_files={
-        "quantize_config.json": quantization_config,
-        "config.json": lambda: finish_config(model_config, quantization_config()),
-    }, extra_files=extra_files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    with contextlib.closing(stream()) as written:
+        write_checkpoint(out_dir, written, json_files={
+            "quantize_config.json": quantization_config,
+            "config.json": lambda: finish_config(model_config, quantization_config()),
+        }, extra_files=extra_files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     return memo
 
 

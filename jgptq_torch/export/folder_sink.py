@@ -36,7 +36,8 @@ class CheckpointSink:
       tokenizer: saved into the folder when ``source_dir`` has no tokenizer files.
       overwrite: replace an existing non-empty folder.
       max_shard_bytes: most tensor bytes per safetensors file (default: the exporters').
-      **options: passed on to the exporter (``group_actorder=True`` for compressed-tensors).
+      **options: passed on to the exporter (``group_actorder=True`` for compressed-tensors; ``workers=N``: threads
+        packing records ahead of the writer thread, default :func:`jgptq.export.pool.default_workers`).
     Raises:
       ExportError: an unknown kind (a GGUF file streams with :class:`GGUFSink`); FileExistsError: a non-empty
         output without ``overwrite``.

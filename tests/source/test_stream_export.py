@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import jgptq
+from jgptq.export import pool
 from jgptq_torch.export.checkpoint import export_model
 from jgptq_torch.pipeline import resume
 from jgptq_torch.source.stream import quantize_folder
@@ -21,17 +22,18 @@ def files_of(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def loaded_export(folder, kind, out):
+def loaded_export(folder, kind, out, **options):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     result = jgptq.quantize_moe(model, CALIB, device="cpu", **OPTS)
-    export_model(model, result, kind, out, source_dir=folder, max_shard_bytes=SHARD)
+    export_model(model, result, kind, out, source_dir=folder, max_shard_bytes=SHARD, **options)
     return files_of(out)
 
 
 @pytest.mark.parametrize("family,kind", [("qwen3_moe", "compressed-tensors"), ("mixtral", "gptq")])
-def test_streamed_folder_is_the_loaded_export_byte_for_byte(tmp_path, family, kind):
+def test_streamed_folder_is_the_loaded_export_byte_for_byte(tmp_path, monkeypatch, family, kind):
     folder = saved(tmp_path, family)
-    want = loaded_export(folder, kind, tmp_path / "loaded")
+    want = loaded_export(folder, kind, tmp_path / "loaded", workers=1)      # records packed one at a time
+    monkeypatch.setattr(pool, "default_workers", lambda: 3)                # the streamed writer: on 3 threads
     result = quantize_folder(folder, CALIB, tmp_path / "streamed", export=kind, device="cpu",
                              max_shard_bytes=SHARD, **OPTS)
     got = files_of(tmp_path / "streamed")
