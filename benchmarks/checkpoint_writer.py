@@ -15,14 +15,17 @@ writes them, in one process, as
 
 Each is timed end to end (packing, scale conversion, safetensors serialization, the file written under the
 system's temporary folder), median of ``--repeat`` runs, and every folder is checked byte-identical with the
-previous path's. ``breakdown`` times the parts one by one on one thread; ``per_qwen_layer_s`` scales each time to
-the whole layer (128 experts) by code bytes when fewer experts were built.
+previous path's. ``breakdown`` times the parts one by one on one thread (best of two passes: codes packed by
+either packer, scales converted to bfloat16 and checked, every record's tensors, the safetensors file written);
+``per_qwen_layer_s`` scales each time to the whole layer (128 experts) by code bytes when fewer experts were
+built.
 
 The GIL: a pure-Python counter on the main thread runs beside each writer (a thread, as in the pipeline, where
 the main thread launches the device work) and beside the same writer in a forked child process (no GIL shared,
 the same cores); ``main_thread_rate`` is the counter's speed beside the writer thread over its speed alone, and
 ``gil_rate`` its speed beside the thread over its speed beside the process: the share of the main thread's pace
-that the writer's GIL holding leaves (1.0: none taken).
+that the writer's GIL holding leaves (1.0 or more: no cost of the GIL seen beside the cores' own contention; on
+a host with fewer free cores than threads, ``main_thread_rate`` mostly measures that contention).
 
     python -m benchmarks checkpoint_writer [--experts 16] [--workers N] [--repeat 3] [--small]
 """
@@ -176,8 +179,8 @@ def rate_beside_process(work) -> float:
     return rate
 
 
-def breakdown(records: dict, scratch: Path) -> dict:
-    """Seconds of each part of the writer's work over every record, on one thread."""
+def breakdown(records: dict, scratch: Path, passes: int = 2) -> dict:
+    """Seconds of each part of the writer's work over every record, on one thread (the best of ``passes``)."""
     from safetensors.numpy import save_file
 
     from jgptq.export import packing
@@ -191,21 +194,23 @@ def breakdown(records: dict, scratch: Path) -> dict:
     def timed(label, fn):
         t0 = time.perf_counter()
         result = fn()
-        out[label] = time.perf_counter() - t0
+        out[label] = min(out.get(label, float("inf")), time.perf_counter() - t0)
         return result
 
-    timed("g_idx_check_s", lambda: [r.has_plain_g_idx() for r in recs])
-    timed("scales_to_bf16_s", lambda: [r.scales.astype(bf16) for r in recs])
-    timed("scales_check_s", lambda: [np.all(r.scales.astype(bf16).astype(np.float32) == r.scales) for r in recs])
-    timed("codes_pack_previous_s", lambda: [previous_pack_int32(r.codes, 4, axis=1) for r in recs])
-    timed("codes_pack_new_s", lambda: [packing.pack_int32(r.codes, 4, axis=1) for r in recs])
-    tensors = {}
-    timed("all_tensors_new_s", lambda: [tensors.update(compressed_tensors(k, r, "bfloat16"))
-                                        for k, r in records.items()])
-    timed("safetensors_write_s", lambda: save_file(tensors, str(scratch / "one.safetensors"),
-                                                   metadata={"format": "pt"}))
-    out["written_bytes"] = os.path.getsize(scratch / "one.safetensors")
-    os.remove(scratch / "one.safetensors")
+    for _ in range(passes):
+        timed("g_idx_check_s", lambda: [r.has_plain_g_idx() for r in recs])
+        timed("scales_to_bf16_s", lambda: [r.scales.astype(bf16) for r in recs])
+        timed("scales_check_s", lambda: [np.all(r.scales.astype(bf16).astype(np.float32) == r.scales)
+                                         for r in recs])
+        timed("codes_pack_previous_s", lambda: [previous_pack_int32(r.codes, 4, axis=1) for r in recs])
+        timed("codes_pack_new_s", lambda: [packing.pack_int32(r.codes, 4, axis=1) for r in recs])
+        tensors = {}
+        timed("all_tensors_new_s", lambda: [tensors.update(compressed_tensors(k, r, "bfloat16"))
+                                            for k, r in records.items()])
+        timed("safetensors_write_s", lambda: save_file(tensors, str(scratch / "one.safetensors"),
+                                                       metadata={"format": "pt"}))
+        out["written_bytes"] = os.path.getsize(scratch / "one.safetensors")
+        os.remove(scratch / "one.safetensors")
     return out
 
 
