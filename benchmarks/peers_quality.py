@@ -37,19 +37,26 @@ Rows, at each of ``--bits`` (default int4 and int3, symmetric, groups of 128, sc
 A row whose quantization or loading fails keeps its error text in the JSON. The results go to
 ``benchmarks/results/peers_quality.json`` and a KL-against-seconds chart beside it (``peers_quality.svg``).
 
-Setting up (llm-compressor 0.14.0 pins transformers<=5.17, compressed-tensors 0.19.0, accelerate 1.15, auto-round),
-in a virtualenv of its own, with the CPU torch installed first so that pip keeps it::
+Every row runs in the same Python as this process (a fresh process each: ``sys.executable``), on ``--device``
+(``auto``: CUDA when torch sees it). On CUDA the float model is trained there too (seconds; a CUDA-trained model is
+its own cache entry) and cached under the run's ``--work`` folder, every checkpoint is evaluated there, and the
+results go to ``peers_quality_gpu.json``. Each jgptq row compiles its programs itself
+(``JGPTQ_COMPILATION_CACHE=off`` unless ``--compile-cache shared``), so its seconds are those of a first run on the
+machine, as the peers' are. Per width the JSON holds the verdict (:mod:`benchmarks.quality.peers_verdict`): jgptq's
+best row against every peer row, paired difference and its standard error, and the time ratio to AutoRound.
+``--deadline S`` stops starting rows after S seconds (those left are marked ``skipped``), so that a run bounded from
+outside still writes its verdict and chart.
 
-    python3.11 -m venv /work/peers-venv
-    /work/peers-venv/bin/pip install torch==2.13.0          # the CPU build
-    /work/peers-venv/bin/pip install llmcompressor==0.14.0
-    /work/peers-venv/bin/pip install "jax==0.10.2" "jaxlib==0.10.2" "gguf>=0.19" flatbuffers
-    /work/peers-venv/bin/pip install --no-deps -e .          # jgptq from this checkout
-    /work/peers-venv/bin/python -m benchmarks peers_quality   # from the repository root
+Setting up. llm-compressor 0.14.0.1 pins transformers<=5.17, compressed-tensors 0.19.0, accelerate>=1.15 and
+auto-round<=0.15.1. On the GPU machine (Python 3.12, torch 2.11, transformers 5.17, no network) the missing packages
+travel as wheels made by ``benchmarks/anchors/fetch_wheels.sh``::
 
-jgptq runs in that environment too (its compressed-tensors export loads with transformers 5.17), so both sides are
-quantized and measured with the same transformers. ``--work DIR`` keeps the folders and the workers' JSON, and a
-rerun with the same ``--work`` reuses every finished quantization (``--redo`` runs them again).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks peers_quality --work /tmp/pq --deadline 480
+
+Elsewhere, a virtualenv with those pins (the CPU torch installed first so that pip keeps it) and
+``pip install --no-deps -e .`` for jgptq; ``--work DIR`` keeps the folders and the workers' JSON, and a rerun with
+the same ``--work`` reuses every finished quantization (``--redo`` runs them again).
 """
 
 from __future__ import annotations
@@ -64,13 +71,25 @@ import time
 import numpy as np
 
 from benchmarks import common
+from benchmarks.quality.peers_verdict import best_row, paired, verdict
+
+__all__ = ["best_row", "grid_check", "main", "paired", "short_label"]
 
 DOC = __doc__.splitlines()[0]
-JGPTQ_ROWS = ("rtn,gptq,gptq+act_order=none,gptq+act_order=group_aware,gptq+static_groups=true+act_order=none,"
+JGPTQ_ROWS = "gptq,gptq_ef_half,gptq_ef"
+ABLATION_ROWS = ("rtn,gptq,gptq+act_order=none,gptq+act_order=group_aware,gptq+static_groups=true+act_order=none,"
               "gptq+mse=2.4,gptq+router_weighting=linear,gptq+router_weighting=squared,"
               "gptq+router_weighting=squared+act_order=none,gptq+calibration=all_experts+act_order=none,"
               "gptq+calibration=all_experts+act_order=static,gptq_search,gptq_search+act_order=none")
 PEER_ROWS = "gptq,awq,autoround"
+CHART_SIDES = {"jgptq": "jgptq", "llmcompressor": "llm-compressor"}
+OMITTED = {"gptqmodel:gptq,gptaq": (
+    "left out: GPTQModel 7.7's end-to-end path (GPTQModel.load, quantize, save) writes its own GPTQ checkpoint "
+    "format, which transformers reloads only through optimum (not on the GPU machine), so the row would need a "
+    "converter of its packed codes to compressed-tensors of our own; and it could not be tried where this benchmark "
+    "was prepared: on a CPU machine of 2 cores its loader stops in its own thread pool (ValueError: Virtual pool "
+    "'model_loader:cpu' requests 2 workers but parent 'cpu' only has 1), and no GPU run was made there. Its GPTQ "
+    "solver alone is set beside jgptq's on the same (W, H) by peers_solver")}
 
 
 def grid_check(model, reference, bits: int, group: int) -> dict:
@@ -93,14 +112,6 @@ def grid_check(model, reference, bits: int, group: int) -> dict:
             "share_changed": changed / max(total, 1), "ok": names > 0 and most <= 2 ** bits}
 
 
-def paired(kl_a, kl_b) -> dict:
-    """Mean per-token KL difference a - b over the same tokens, its standard error, and the share of tokens where
-    b is lower."""
-    d = np.asarray(kl_a, np.float64) - np.asarray(kl_b, np.float64)
-    return {"mean": float(d.mean()), "stderr": float(d.std(ddof=1) / np.sqrt(d.size)),
-            "share_b_lower": float(np.mean(d > 0))}
-
-
 _SHORT = (("act_order=", ""), ("router_weighting=", "rw:"), ("calibration=all_experts", "all"),
           ("static_groups=true", "sg"), ("group_aware", "gar"))
 
@@ -112,13 +123,7 @@ def short_label(spec: str) -> str:
     return spec
 
 
-def best_row(rows: dict, side: str = "jgptq"):
-    """The name of ``side``'s row with the lowest mean KL (None when none was measured)."""
-    scored = [(r["kl_mean"], name) for name, r in rows.items() if r.get("side") == side and "kl_mean" in r]
-    return min(scored)[1] if scored else None
-
-
-def _worker(side, spec, bits, args, folder, calib_path, work) -> dict:
+def _worker(side, spec, bits, args, folder, calib_path, work, timeout) -> dict:
     tag = f"{side}-{spec.replace('+', '_').replace('=', '-')}-int{bits}"
     out, res_path, log_path = (os.path.join(work, tag + x) for x in ("", ".json", ".log"))
     if not args.redo and os.path.exists(res_path) and os.path.isdir(out):
@@ -129,12 +134,15 @@ def _worker(side, spec, bits, args, folder, calib_path, work) -> dict:
             return res | {"folder": out}
     cmd = [sys.executable, "-m", "benchmarks.quality.peers_worker", "--side", side, "--method", spec, "--bits",
            str(bits), "--group-size", str(args.group_size), "--model", folder, "--calib", calib_path, "--out", out,
-           "--result", res_path]
+           "--result", res_path, "--device", args.device]
+    env = dict(os.environ)
+    if args.compile_cache == "off":
+        env["JGPTQ_COMPILATION_CACHE"] = "off"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+            proc = subprocess.run(cmd, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env,
                                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             code = proc.returncode
         except subprocess.TimeoutExpired:
@@ -146,38 +154,83 @@ def _worker(side, spec, bits, args, folder, calib_path, work) -> dict:
     else:
         with open(log_path) as f:
             tail = f.read()[-2000:]
-        why = f"timed out after {args.timeout} s" if code is None else f"exited {code}"
+        why = f"timed out after {timeout:.0f} s" if code is None else f"exited {code}"
         res = {"ok": False, "error": f"worker {why} without a result; log tail: {tail}"}
     res.update({"worker_wall_s": wall, "load_average_at_start": load, "folder": out})
     return res
 
 
-def main(argv=None):
+def _options(argv):
     p = common.parser("peers_quality", DOC)
     common.integer_grid_options(p, windows=128, model="deep")
-    p.add_argument("--jgptq", default=JGPTQ_ROWS, help="jgptq rows: method[+field=value...], comma-separated")
+    p.add_argument("--jgptq", default=JGPTQ_ROWS, help="jgptq rows: method[+field=value...], comma-separated "
+                                                       "('ablation': the settings compared earlier)")
     p.add_argument("--peers", default=PEER_ROWS, help="llm-compressor rows: gptq, awq, autoround")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when torch sees it)")
     p.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    p.add_argument("--model-cache", default=None, help="where the trained float model is cached (default: "
+                                                       "WORK/models on CUDA, the quality benchmark's cache on the CPU)")
+    p.add_argument("--compile-cache", choices=("off", "shared"), default="off",
+                   help="off: each jgptq row compiles its programs itself; shared: jgptq's persistent cache")
     p.add_argument("--redo", action="store_true", help="quantize again even where --work holds a result")
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds allowed to one quantization")
+    p.add_argument("--deadline", type=float, default=None, help="start no row after this many seconds")
     args = p.parse_args(argv)
+    if args.jgptq == "ablation":
+        args.jgptq = ABLATION_ROWS
     if args.small:
         args.train_steps = args.train_steps or 4
         args.calib_seqs, args.calib_len, args.windows = min(args.calib_seqs, 8), min(args.calib_len, 128), \
             min(args.windows, 4)
-        args.jgptq, args.peers = "rtn,gptq", "gptq"
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device")
+    if torch.device(args.device).type == "cuda" and args.out == p.get_default("out"):
+        args.out = os.path.join(os.path.dirname(args.out), "peers_quality_gpu.json")
+    return args
+
+
+def _evaluate_row(row, res, bits, args, float_model, held, per_token, name):
     import torch
     from transformers import AutoModelForCausalLM
+
+    from jgptq_torch.cli.evaluate import evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(res["folder"], dtype=torch.float32).eval().to(args.device)
+    ev = evaluate(model, float_model, tokens=held)
+    row["grid_check"] = grid_check(model, float_model, bits, args.group_size)
+    s = ev.summary
+    per_token[name] = np.asarray(ev.per_token["kl"], np.float64)
+    row.update({"kl_mean": s["kl_mean"], "kl_stderr": s["kl_mean_stderr"], "kl_p99": s["kl_p99"],
+                "top1_agreement": s["same_top_rate"], "ppl": s["ppl"], "ppl_float": s["ppl_ref"],
+                "tokens_scored": s["tokens"]})
+    print(f"int{bits} {name}: KL {s['kl_mean']:.3g} +- {s['kl_mean_stderr']:.2g}, p99 {s['kl_p99']:.3g}, top1 "
+          f"{s['same_top_rate']:.4f}, ppl {s['ppl']:.4f}, {row['quantize_s']:.1f} s, grid {row['grid_check']}",
+          flush=True)
+
+
+def main(argv=None):
+    t_start = time.perf_counter()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # the workers' JAX shares the GPU
+    args = _options(argv)
+    import torch
 
     from benchmarks.gguf_quality import DEFAULT_CACHE
     from benchmarks.quality import corpus, lm
     from benchmarks.quality.peers_chart import kl_seconds_chart
-    from jgptq_torch.cli.evaluate import evaluate
 
     torch.manual_seed(0)
-    splits, float_model, info = lm.named_model(args.model, DEFAULT_CACHE, steps=args.train_steps)
     work = args.work or tempfile.mkdtemp(prefix="peers_quality_")
     os.makedirs(work, exist_ok=True)
+    cuda = torch.device(args.device).type == "cuda"
+    cache = args.model_cache or (os.path.join(work, "models") if cuda else DEFAULT_CACHE)
+    t0 = time.perf_counter()
+    splits, float_model, info = lm.named_model(args.model, cache, steps=args.train_steps, device=args.device)
+    model_s = time.perf_counter() - t0
+    float_model = float_model.to(args.device)
     calib = corpus.windows(splits.tokens["calib"], args.calib_len, args.calib_seqs)
     calib_path = os.path.join(work, f"calib-{calib.shape[0]}x{calib.shape[1]}.npy")
     np.save(calib_path, calib)
@@ -185,33 +238,33 @@ def main(argv=None):
     rows_of = [("jgptq", s.strip()) for s in args.jgptq.split(",") if s.strip()] + \
               [("llmcompressor", s.strip()) for s in args.peers.split(",") if s.strip()]
     out = {"benchmark": "peers_quality", "description": __doc__, "small": bool(args.small),
-           "model": {k: v for k, v in info.items() if k != "loss_history"},
+           "model": {k: v for k, v in info.items() if k != "loss_history"} | {"ready_s": model_s},
            "settings": {"model": args.model, "group_size": args.group_size, "sym": True,
                         "calibration": list(calib.shape), "windows": len(held), "n_ctx": args.n_ctx,
-                        "rows": [f"{a}:{b}" for a, b in rows_of], "work": work, "cpu_threads": torch.get_num_threads()},
-           "packages": _versions(), "runs": {}}
+                        "rows": [f"{a}:{b}" for a, b in rows_of], "work": work, "device": args.device,
+                        "compile_cache": args.compile_cache, "deadline_s": args.deadline,
+                        "cpu_threads": torch.get_num_threads(), "python": sys.version.split()[0]},
+           "packages": _versions(), "omitted_rows": OMITTED, "runs": {}, "verdict": {}}
+    if cuda:
+        out["settings"]["gpu"] = torch.cuda.get_device_name()
     for bits in [int(b) for b in args.bits.split(",") if b.strip()]:
         rows, per_token = {}, {}
         out["runs"][f"int{bits}"] = rows
         for side, spec in rows_of:
             name = f"{side}:{spec}"
-            res = _worker(side, spec, bits, args, info["folder"], calib_path, work)
+            left = None if args.deadline is None else args.deadline - (time.perf_counter() - t_start)
+            if left is not None and left <= 0:
+                rows[name] = {"side": side, "method": spec, "skipped": f"the --deadline of {args.deadline:.0f} s "
+                                                                       "had passed before this row's turn"}
+                print(f"int{bits} {name}: skipped (deadline)", flush=True)
+                continue
+            timeout = args.timeout if left is None else max(1.0, min(args.timeout, left))
+            res = _worker(side, spec, bits, args, info["folder"], calib_path, work, timeout)
             row = {"side": side, "method": spec, **{k: v for k, v in res.items() if k not in ("side", "method")}}
             rows[name] = row
             if res.get("ok"):
                 try:
-                    model = AutoModelForCausalLM.from_pretrained(res["folder"], dtype=torch.float32).eval()
-                    ev = evaluate(model, float_model, tokens=held)
-                    row["grid_check"] = grid_check(model, float_model, bits, args.group_size)
-                    s = ev.summary
-                    per_token[name] = np.asarray(ev.per_token["kl"], np.float64)
-                    row.update({"kl_mean": s["kl_mean"], "kl_stderr": s["kl_mean_stderr"], "kl_p99": s["kl_p99"],
-                                "top1_agreement": s["same_top_rate"], "ppl": s["ppl"], "ppl_float": s["ppl_ref"],
-                                "tokens_scored": s["tokens"]})
-                    print(f"int{bits} {name}: KL {s['kl_mean']:.3g} +- {s['kl_mean_stderr']:.2g}, p99 "
-                          f"{s['kl_p99']:.3g}, top1 {s['same_top_rate']:.4f}, ppl {s['ppl']:.4f}, "
-                          f"{row['quantize_s']:.0f} s, grid {row['grid_check']}", flush=True)
-                    del model
+                    _evaluate_row(row, res, bits, args, float_model, held, per_token, name)
                 except Exception as exc:  # noqa: BLE001 - loading or evaluating the written folder failed: said, not hidden
                     row["load_error"] = f"{type(exc).__name__}: {exc}"[:2000]
             else:
@@ -224,31 +277,40 @@ def main(argv=None):
             for n, d in rows["paired_minus_jgptq_best"].items():
                 if n != "best":
                     print(f"int{bits} {n} - {best}: {d['mean']:.3g} +- {d['stderr']:.2g} per token", flush=True)
+        out["verdict"][f"int{bits}"] = v = verdict(rows, per_token)
+        print(f"int{bits} verdict: claim holds: {v['claim_holds']} (best {v['best']}, time ratio vs AutoRound "
+              f"{v.get('time_ratio_vs_autoround')})", flush=True)
         common.write(args.out, out)
+    _chart(out, args, kl_seconds_chart)
+    out["total_s"] = time.perf_counter() - t_start
+    out["machine"] = common.machine()
+    common.write(args.out, out)
+    return 0
+
+
+def _chart(out, args, kl_seconds_chart) -> None:
     series = {}
     for width, rows in out["runs"].items():
         for name, r in rows.items():
             if "kl_mean" in r:
-                label = "llm-compressor" if r["side"] == "llmcompressor" else "jgptq"
+                label = CHART_SIDES.get(r["side"], r["side"])
                 series.setdefault(f"{label} {width}", []).append(
                     (r["quantize_s"], r["kl_mean"], r["kl_stderr"], short_label(r["method"])))
     if series:
         chart = os.path.splitext(args.out)[0] + ".svg"
         with open(chart, "w") as f:
             f.write(kl_seconds_chart(series, title=f"KL to float against quantization time ({args.model} model, "
-                                                   f"g{args.group_size})"))
+                                                   f"g{args.group_size}, {args.device})"))
         out["chart"] = os.path.basename(chart)
         print(f"wrote {chart}")
-    out["machine"] = common.machine()
-    common.write(args.out, out)
-    return 0
 
 
 def _versions() -> dict:
     from importlib import metadata
 
     found = {}
-    for name in ("jgptq", "llmcompressor", "compressed-tensors", "auto-round", "transformers", "torch", "jax"):
+    for name in ("jgptq", "llmcompressor", "compressed-tensors", "auto-round", "gptqmodel", "transformers",
+                 "accelerate", "torch", "jax", "jaxlib"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

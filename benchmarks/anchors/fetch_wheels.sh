@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Recreates the wheel folder that the peer-library benchmarks (peers_solver, peers_oneshot) need on a GPU machine
-# without network: Python 3.12, x86-64, with torch, transformers, accelerate, triton, jax, numpy, pandas,
-# pyarrow, safetensors, tqdm, pyyaml, requests, huggingface-hub, threadpoolctl, nvidia-ml-py already installed.
+# Recreates the wheel folder that the peer-library benchmarks (peers_solver, peers_oneshot, peers_quality) need on a
+# GPU machine without network: Python 3.12, x86-64, with torch, transformers, accelerate, triton, jax, numpy, pandas,
+# pyarrow, safetensors, tqdm, pyyaml, requests, huggingface-hub, threadpoolctl, nvidia-ml-py, py-cpuinfo, psutil,
+# xxhash, fsspec, httpx, pillow already installed.
 # Only what is missing there is fetched, each pinned (typing-extensions too: pydantic-core needs >=4.16);
 # nothing here changes torch.
 #
@@ -33,6 +34,9 @@ python3 -m pip wheel --no-deps logbar==0.4.15 device-smi==0.5.7 tokenicer==0.0.1
 python3 -m pip download "${py[@]}" llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3 \
     pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 typing-extensions==4.16.0
+# AutoRound for llm-compressor's AutoRoundModifier: llm-compressor 0.14.0.1 asks auto-round>=0.14.1,<=0.15.1; its own
+# needs (accelerate, datasets, numpy, py-cpuinfo, torch, tqdm, transformers, pydantic) are all there or above
+python3 -m pip download "${py[@]}" auto-round==0.15.1
 python3 -m pip download "${py[@]}" "${plat[@]}" pydantic-core==2.50.5
 
 # jgptq's own dependency missing there

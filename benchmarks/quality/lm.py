@@ -13,7 +13,8 @@ decoder layers of hidden 512 (4 query and 2 key-value heads of 128), 8 experts o
 row 2 super-blocks long), and no load-balancing loss, so that the router uses its experts unevenly (see
 :func:`expert_usage`). The trained model is saved with
 ``save_pretrained`` (safetensors) in ``<cache_dir>/lm-<key>``, the key hashing every hyperparameter and the corpus
-digest, so a rerun with the same settings loads it instead of training.
+digest, so a rerun with the same settings loads it instead of training. Trained on CUDA (``device="cuda"``: seconds
+instead of minutes) the model is another one (other rounding in every step), so the device joins the key.
 
 Two more models have the shapes of other MoE families, trained the same way on the same bytes (``family`` in the
 architecture names the transformers class; without it, Qwen3-MoE):
@@ -102,9 +103,10 @@ def mean_loss(model, windows: np.ndarray, batch: int = 16, first: int = 0) -> fl
     import torch
 
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(windows), batch):
-            ids = torch.from_numpy(windows[i:i + batch])
+            ids = torch.from_numpy(windows[i:i + batch]).to(device)
             logits = model(input_ids=ids).logits.double()
             logp = torch.log_softmax(logits[:, first:-1], -1)
             nll = -logp.gather(-1, ids[:, first + 1:, None]).squeeze(-1)
@@ -114,8 +116,11 @@ def mean_loss(model, windows: np.ndarray, batch: int = 16, first: int = 0) -> fl
 
 
 def train(model, tokens: np.ndarray, cfg: dict, log=print) -> dict:
-    """Trains ``model`` in place on random windows of ``tokens`` (uint8 bytes). Returns the loss history."""
+    """Trains ``model`` in place, on the device of its parameters, on random windows of ``tokens`` (uint8 bytes).
+    Returns the loss history."""
     import torch
+
+    device = next(model.parameters()).device
 
     g = np.random.default_rng(cfg["seed"])
     torch.manual_seed(cfg["seed"])
@@ -137,7 +142,7 @@ def train(model, tokens: np.ndarray, cfg: dict, log=print) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         starts = g.integers(0, span, cfg["batch"])
-        ids = torch.from_numpy(np.stack([tokens[s:s + cfg["length"]] for s in starts]).astype(np.int64))
+        ids = torch.from_numpy(np.stack([tokens[s:s + cfg["length"]] for s in starts]).astype(np.int64)).to(device)
         out = model(input_ids=ids, labels=ids, output_router_logits=True)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -151,8 +156,10 @@ def train(model, tokens: np.ndarray, cfg: dict, log=print) -> dict:
         if step % 50 == 0 or step == cfg["steps"] - 1:
             log(f"train step {step}/{cfg['steps']}: loss {lm_loss:.3f} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return {"loss_history": history[::10], "final_train_loss": float(np.mean(history[-20:])),
-            "train_s": time.perf_counter() - t0}
+            "train_s": time.perf_counter() - t0, "train_device": str(device)}
 
 
 def expert_usage(model, windows: np.ndarray, batch: int = 16) -> dict:
@@ -179,26 +186,32 @@ def expert_usage(model, windows: np.ndarray, batch: int = 16) -> dict:
             "normalised_entropy": entropy.tolist()}
 
 
-def named_model(name: str, cache_dir: str, *, steps: int | None = None):
+def named_model(name: str, cache_dir: str, *, steps: int | None = None, device: str = "cpu"):
     """The corpus's splits and the trained model ``MODELS[name]`` (:func:`trained_model`, from ``cache_dir`` when
-    cached): (splits, model, info)."""
+    cached, else trained on ``device``): (splits, model on the host, info)."""
     from benchmarks.quality import corpus
 
     data = corpus.corpus_bytes()
     splits = corpus.split(data)
     arch, train_cfg = MODELS[name]
     model, info = trained_model(splits, corpus.corpus_digest(data), cache_dir, steps=steps, arch=arch,
-                                train_cfg=train_cfg)
+                                train_cfg=train_cfg, device=device)
     return splits, model, info
 
 
 def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | None = None, arch: dict = ARCH,
-                  train_cfg: dict = TRAIN, log=print):
-    """The trained model for these settings, from ``cache_dir`` when present, else trained and cached.
+                  train_cfg: dict = TRAIN, log=print, device: str = "cpu"):
+    """The trained model for these settings, from ``cache_dir`` when present, else trained on ``device`` ("cpu",
+    "cuda", "cuda:1") and cached.
 
-    Returns (model in eval mode, float32; info dict with the cache folder, training figures and held-out loss).
+    Returns (model in eval mode, float32, on the host; info dict with the cache folder, training figures and
+    held-out loss).
     """
+    import torch
+
     cfg = dict(train_cfg, **({} if steps is None else {"steps": int(steps)}))
+    if torch.device(device).type != "cpu":   # CPU-trained models keep the key they had
+        cfg["device"] = torch.device(device).type
     if cfg["steps"] < 1:
         raise ValueError(f"train steps: {cfg['steps']} must be at least 1")
     folder = os.path.join(cache_dir, f"lm-{cache_key(arch, cfg, corpus_digest)}")
@@ -210,7 +223,7 @@ def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | No
         info["cached"] = True
         log(f"loaded the trained model from {folder}")
         return model, info
-    model = build(arch, cfg["seed"])
+    model = build(arch, cfg["seed"]).to(device)
     info = {"arch": arch, "train": cfg, "corpus_sha256": corpus_digest, "folder": folder,
             "parameters": sum(p.numel() for p in model.parameters())}
     info.update(train(model, splits.tokens["train"], cfg, log=log))
@@ -221,6 +234,7 @@ def trained_model(splits, corpus_digest: str, cache_dir: str, *, steps: int | No
     info.update({"heldout_loss_nats": loss, "heldout_bits_per_byte": loss / math.log(2),
                  "heldout_windows": len(held)})
     log(f"held-out loss {loss:.3f} nats/byte = {loss / math.log(2):.3f} bits/byte")
+    model = model.cpu()
     tmp = folder + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     with open(os.path.join(tmp, "train_info.json"), "w") as f:

@@ -2,12 +2,16 @@
 compressed-tensors folder and a JSON of what it took out.
 
 ``python -m benchmarks.quality.peers_worker --side jgptq|llmcompressor --method M --bits B --model FOLDER
---calib CALIB.npy --out OUT_FOLDER --result RESULT.json``
+--calib CALIB.npy --out OUT_FOLDER --result RESULT.json [--device cpu|cuda]``
 
 Each run starts from the float checkpoint on disk in a fresh interpreter, so no run sees another's state (llm-compressor
 keeps a global session and registers checkpoint conversions for the model type while it loads; jgptq keeps compiled
-programs). The seconds reported are those of the quantization call alone (loading, imports and saving apart, each
-timed too).
+programs). The seconds reported are those of the quantization call alone, measured the same way for every side:
+wall time from just before the call to just after it, with ``torch.cuda.synchronize()`` on both ends on CUDA (jgptq's
+call returns its codes as host arrays, so it has waited for its JAX solves already); loading, imports and saving
+are apart, each timed too. The model is loaded on the host, as ``from_pretrained`` leaves it; on CUDA jgptq runs
+each layer there (``device="cuda"``), llm-compressor moves layers there itself (its pipelines onload each layer to the
+first accelerator).
 
 - ``jgptq``: ``jgptq.quantize_moe`` with the method of ``--method`` (``rtn``, ``gptq``, ``gptq_search``, ...,
   optionally followed by config overrides, ``gptq+calibration=all_experts+act_order=static``), symmetric grids of
@@ -87,7 +91,21 @@ def cpu_only_patches(method: str) -> list:
     return [NO_PINNING]
 
 
-def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
+def synced_seconds(device: str, fn):
+    """(result of ``fn()``, wall seconds of the call), the accelerator synchronised before and after on CUDA."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
+
+
+def run_llmcompressor(method, bits, group_size, model_dir, calib, out, device="cpu") -> dict:
     import llmcompressor
     import torch
     from llmcompressor import oneshot
@@ -109,11 +127,10 @@ def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
         moe_loading = NO_TORCHVISION
     load_s = time.perf_counter() - t0
     tokenizer = byte_tokenizer()
-    t0 = time.perf_counter()
-    oneshot(model=model, processor=tokenizer, dataset=_calib_loader(calib), recipe=recipe,
-            num_calibration_samples=int(calib.shape[0]), max_seq_length=int(calib.shape[1]),
-            shuffle_calibration_samples=False)
-    seconds = time.perf_counter() - t0
+    _, seconds = synced_seconds(device, lambda: oneshot(
+        model=model, processor=tokenizer, dataset=_calib_loader(calib), recipe=recipe,
+        num_calibration_samples=int(calib.shape[0]), max_seq_length=int(calib.shape[1]),
+        shuffle_calibration_samples=False))
     quantized = sum(1 for _, m in model.named_modules() if hasattr(m, "weight_scale"))
     t0 = time.perf_counter()
     model.save_pretrained(out, save_compressed=True)
@@ -123,7 +140,7 @@ def run_llmcompressor(method, bits, group_size, model_dir, calib, out) -> dict:
             "recipe": repr(recipe)[:2000],
             "settings": {"scheme": f"W{bits}A16", "symmetric": True, "group_size": 128, "batch_size": 1,
                          "moe_calibrate_all_experts": True, "ignore": IGNORE, "moe_loading": moe_loading,
-                         "patches": patches}}
+                         "patches": patches, "device": device}}
 
 
 def method_spec(spec: str) -> tuple:
@@ -151,7 +168,7 @@ def method_spec(spec: str) -> tuple:
     return method, overrides
 
 
-def run_jgptq(spec, bits, group_size, model_dir, calib, out) -> dict:
+def run_jgptq(spec, bits, group_size, model_dir, calib, out, device="cpu") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -162,12 +179,10 @@ def run_jgptq(spec, bits, group_size, model_dir, calib, out) -> dict:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
     method, overrides = method_spec(spec)
     opts = {"bits": bits, "group_size": group_size, "sym": True, "method": method, "scale_dtype": "float32",
             "batch_size": 16, "progress": False, **overrides}
-    result = jgptq.quantize_moe(model, calib, None, device="cpu", **opts)
-    seconds = time.perf_counter() - t0
+    result, seconds = synced_seconds(device, lambda: jgptq.quantize_moe(model, calib, None, device=device, **opts))
     t0 = time.perf_counter()
     # a rerun (--redo, or a row whose result was lost) replaces the folder of an earlier one
     export_model(model, result, "compressed-tensors", out, tokenizer=byte_tokenizer(), overwrite=True)
@@ -180,7 +195,8 @@ def run_jgptq(spec, bits, group_size, model_dir, calib, out) -> dict:
             "settings": {"method": method, "bits": q.bits, "symmetric": q.sym, "group_size": q.group_size,
                          "act_order": q.act_order, "damp": q.damp, "scale_dtype": q.scale_dtype,
                          "batch_size": opts["batch_size"], "moe_calibration": result.config.moe.calibration,
-                         "overrides": overrides}}
+                         "overrides": overrides, "device": device,
+                         "compilation_cache": os.environ.get("JGPTQ_COMPILATION_CACHE", "default")}}
 
 
 def main(argv=None) -> int:
@@ -193,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib", required=True, help=".npy of int64 calibration windows (n, length)")
     p.add_argument("--out", required=True, help="the compressed-tensors folder to write")
     p.add_argument("--result", required=True, help="JSON written with the seconds (or the error)")
+    p.add_argument("--device", default="cpu", help="torch device the quantization runs on: cpu or cuda")
     args = p.parse_args(argv)
     import numpy as np
     import torch
@@ -201,7 +218,7 @@ def main(argv=None) -> int:
     calib = torch.from_numpy(np.load(args.calib))
     run = run_jgptq if args.side == "jgptq" else run_llmcompressor
     try:
-        res = run(args.method, args.bits, args.group_size, args.model, calib, args.out)
+        res = run(args.method, args.bits, args.group_size, args.model, calib, args.out, args.device)
         res["ok"] = True
     except Exception as exc:  # noqa: BLE001 - the error's text goes into the results, the benchmark goes on
         res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],

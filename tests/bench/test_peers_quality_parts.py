@@ -93,3 +93,43 @@ def test_llmcompressor_recipes_use_its_symmetric_presets_of_the_width_and_ignore
     assert quant.scheme == "W4A16" and quant.ignore == IGNORE
     with pytest.raises(ValueError):
         lc_recipe("gptq", 4, 64)
+
+
+def _rows(best_s=30.0, autoround_s=600.0):
+    return {"jgptq:gptq": {"side": "jgptq", "kl_mean": 2.0, "quantize_s": 20.0},
+            "jgptq:gptq_ef_half": {"side": "jgptq", "kl_mean": 1.0, "quantize_s": best_s},
+            "llmcompressor:gptq": {"side": "llmcompressor", "kl_mean": 3.0, "quantize_s": 60.0},
+            "llmcompressor:autoround": {"side": "llmcompressor", "kl_mean": 2.5, "quantize_s": autoround_s}}
+
+
+def test_verdict_holds_only_when_every_peer_is_higher_beyond_its_stderr_and_time_is_a_tenth_of_autoround():
+    from benchmarks.quality.peers_verdict import verdict
+
+    base = np.array([1.0, 0.0, 1.0, 0.0] * 8)           # the best row's per-token KL, mean 0.5
+    noise = np.array([1.0, -1.0] * 16)                  # paired differences of +-1: stderr 1/sqrt(31)
+    per_token = {"jgptq:gptq": base + 0.1, "jgptq:gptq_ef_half": base,
+                 "llmcompressor:gptq": base + 2.0 + noise, "llmcompressor:autoround": base + 0.01 + noise}
+    v = verdict(_rows(), per_token)
+    assert v["best"] == "jgptq:gptq_ef_half" and v["time_ratio_vs_autoround"] == 30.0 / 600.0 and v["within_time"]
+    gptq, autoround = v["peers"]["llmcompressor:gptq"], v["peers"]["llmcompressor:autoround"]
+    assert abs(gptq["minus_best"] - 2.0) < 1e-12 and abs(gptq["minus_best_stderr"] - 1 / np.sqrt(31)) < 1e-12
+    assert gptq["best_lower_beyond_stderr"] and not autoround["best_lower_beyond_stderr"]   # 0.01 < 0.18
+    assert not v["lower_than_every_peer"] and not v["claim_holds"]
+    per_token["llmcompressor:autoround"] = base + 1.0 + noise
+    assert verdict(_rows(), per_token)["claim_holds"]
+    slow = verdict(_rows(best_s=61.0), per_token)                       # over a tenth of AutoRound's 600 s
+    assert slow["lower_than_every_peer"] and not slow["within_time"] and not slow["claim_holds"]
+
+
+def test_verdict_counts_a_failed_or_skipped_peer_against_the_claim():
+    from benchmarks.quality.peers_verdict import verdict
+
+    rows = _rows()
+    del rows["llmcompressor:autoround"]["kl_mean"]
+    rows["llmcompressor:autoround"]["skipped"] = "deadline"
+    base = np.linspace(0.0, 1.0, 16)
+    v = verdict(rows, {"jgptq:gptq_ef_half": base, "jgptq:gptq": base + 1, "llmcompressor:gptq": base + 1})
+    assert v["peers"]["llmcompressor:autoround"] == {"measured": False, "why": "deadline",
+                                                     "best_lower_beyond_stderr": False}
+    assert v["time_ratio_vs_autoround"] is None and not v["claim_holds"]
+    assert verdict({"llmcompressor:gptq": rows["llmcompressor:gptq"]}, {})["best"] is None
