@@ -18,11 +18,12 @@ from tests.source.test_stream import CALIB, saved
 OPTS = dict(batch_size=4, progress=False)
 
 
-def loaded_gguf(folder, out, fmt, exclude=(), **options):
-    """The GGUF file of the run on the model loaded whole (from_pretrained), written by GGUFSink."""
+def loaded_gguf(folder, out, fmt, run=None, **options):
+    """The GGUF file of the run (``run``: more quantize_moe options) on the model loaded whole (from_pretrained),
+    written by GGUFSink."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     sink = GGUFSink(out, **options)
-    jgptq.quantize_moe(model, CALIB, format=fmt, device="cpu", sink=sink, exclude=list(exclude), **OPTS)
+    jgptq.quantize_moe(model, CALIB, format=fmt, device="cpu", sink=sink, **(run or {}), **OPTS)
     return out.read_bytes()
 
 
@@ -33,10 +34,12 @@ def loaded_gguf(folder, out, fmt, exclude=(), **options):
     # kv_b left in float: its split read from the streamed layer's kept tensor
     ("deepseek_v3", "q8_0", {}, {"exclude": [r"kv_b_proj"]}, {}),
     ("gpt_oss", "q8_0", {}, {}, {"float_embeddings": True}),  # sinks, expert biases; embedding and head in f16
+    # a llama.cpp mix (its own formats per tensor, the edges' types) with the float model's importance statistic
+    ("qwen3_moe", "q4_k", {}, {"mix": "q4_k_m", "block_fallback": "llama.cpp", "imatrix_source": "float"}, {}),
 ])
 def test_streamed_gguf_is_the_loaded_runs_file_byte_for_byte(tmp_path, family, fmt, sizes, run, options):
     folder = saved(tmp_path, family, **sizes)
-    want = loaded_gguf(folder, tmp_path / "loaded.gguf", fmt, **run, **options)
+    want = loaded_gguf(folder, tmp_path / "loaded.gguf", fmt, run, **options)
     result = quantize_folder(folder, CALIB, tmp_path / "streamed.gguf", export="gguf", device="cpu",
                              dtype=torch.float32, format=fmt, export_options=options, **run, **OPTS)
     assert (tmp_path / "streamed.gguf").read_bytes() == want
