@@ -315,11 +315,10 @@ def _quantize(args, held: contextlib.ExitStack) -> int:
 
 
 def load_mode(args, cfg) -> str:
-    """``--load``: ``stream`` unless the run needs the whole model (a GGUF export, a bits budget, GPTQ module
-    names), which is said;
-    an explicit ``--load stream`` for such a run is refused."""
-    needs = ("--export gguf" if args.export == "gguf" else
-             "--target-bpw/--target-size" if cfg.target_bpw is not None or getattr(args, "target_size", None)
+    """``--load``: ``stream`` (any export, GGUF included) unless the run needs the whole model (a bits budget,
+    whose first pass measures every layer before any is written; GPTQ module names), which is said; an explicit
+    ``--load stream`` for such a run is refused."""
+    needs = ("--target-bpw/--target-size" if cfg.target_bpw is not None or getattr(args, "target_size", None)
              else "--gptq-names modules" if args.export == "gptq" and args.gptq_names == "modules" else None)
     if args.load == "stream" and needs:
         raise CommandError(f"--load stream cannot serve {needs}, which needs the whole model; use --load all")
@@ -336,6 +335,10 @@ def _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_s
     from jgptq_torch.source.stream import quantize_folder
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = {}
+    if args.export == "gguf":   # one file: no shards; refuse what the exporter cannot write before the run
+        preflight.check_gguf_tokenizer(model_dir, tokenizer, args.trust_remote_code)
+        options, max_shard = {"float_embeddings": bool(getattr(args, "float_embeddings", False))}, None
     log(f"streaming {model_dir} ({dtype}) layer by layer; writing {args.export} to {files['out']} as the layers "
         f"finish", args.quiet)
     from jgptq_torch.write_errors import WriteError, failure_message, writing
@@ -347,7 +350,8 @@ def _stream(args, cfg, model_dir, files, dtype, ids, tokenizer, shortfall, max_s
             result = quantize_folder(model_dir, ids, files["out"], cfg, export=args.export, tokenizer=tokenizer,
                                      device=device, dtype=getattr(torch, dtype), checkpoint_dir=files["work"],
                                      resume=args.resume, overwrite=args.overwrite,
-                                     trust_remote_code=args.trust_remote_code, max_shard_bytes=max_shard)
+                                     trust_remote_code=args.trust_remote_code, max_shard_bytes=max_shard,
+                                     export_options=options)
     except WriteError as exc:  # a full disk: the path, what is kept, how to go on (as the loaded path says it)
         raise CommandError(failure_message(exc, files["work"])) from exc
     return _finish(args, cfg, model_dir, files, result, shortfall, shown, t_start)

@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load", choices=("stream", "all"), default=None,
                    help="stream: read each decoder layer from MODEL_DIR when its turn comes and write the output "
                         "as layers finish (host memory holds about two layers); all: load the whole model first "
-                        "(from_pretrained; --offload applies). Default: stream, or all where the run needs the "
-                        "whole model (--export gguf, --target-bpw/--target-size), which is said")
+                        "(from_pretrained; --offload applies). Default: stream (every export, GGUF included), or all "
+                        "where the run needs the whole model (--target-bpw/--target-size, --gptq-names modules), "
+                        "which is said")
     add_options(r, "hessian_dtype", "exclude", "offload", "offload_dir", "device_budget")
     r.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     r.add_argument("--trust-remote-code", action="store_true",

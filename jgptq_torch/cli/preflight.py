@@ -60,6 +60,21 @@ def check_gguf_model(model_dir: Path, trust_remote_code: bool) -> None:
         raise CommandError(f"{model_dir / 'config.json'}: {exc}") from None
 
 
+def check_gguf_tokenizer(model_dir: Path, tokenizer, trust_remote_code: bool) -> None:
+    """Refuses a tokenizer the GGUF exporter cannot write (one llama.cpp would tokenize differently), from the
+    tokenizer and config.json, before a streamed run reads any layer."""
+    from transformers import AutoConfig
+
+    from jgptq_torch.export.gguf.vocab import vocab_metadata
+
+    cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", None)
+    try:
+        vocab_metadata(tokenizer, int(vocab))
+    except NotImplementedError as exc:
+        raise CommandError(str(exc)) from exc
+
+
 def check_tokenizer_files(tok_dir: Path, given: bool) -> None:
     """Refuses a tokenizer folder without any file a tokenizer is built from (transformers would build an empty
     tokenizer from its config alone, and the calibration text would give no tokens). ``given``: the folder came

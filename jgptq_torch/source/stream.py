@@ -15,10 +15,9 @@ releases it to meta once processed (:meth:`StreamedLayers.leave`). The input emb
 the first layer's inputs and released after it; the final norm and the head are never read unless an export
 needs them. The per-layer step is :func:`jgptq_torch.pipeline.layerwise.quantize_moe`'s, unchanged.
 
-With an output folder, the export is written as the layers finish (:class:`jgptq_torch.export.folder_sink.
-CheckpointSink`, ``compressed-tensors`` or ``gptq``), and each layer's records leave host memory once written.
-A GGUF file is not written from a streamed run yet: its writer reads the whole model's tensors at the start
-(``jgptq quantize --export gguf`` loads the model whole, and says so).
+With an output, the export is written as the layers finish (:class:`jgptq_torch.export.folder_sink.
+CheckpointSink` for a ``compressed-tensors`` or ``gptq`` folder, :class:`jgptq_torch.export.gguf.folder_sink.
+StreamedGGUFSink` for a ``gguf`` file), and each layer's records leave host memory once written.
 """
 
 from __future__ import annotations
@@ -99,7 +98,8 @@ def open_folder(model_dir, dtype=None, device="cpu", trust_remote_code: bool = F
 
 def quantize_folder(model_dir, calib, out_dir=None, config=None, *, export: str = "compressed-tensors",
                     tokenizer=None, device=None, dtype=None, checkpoint_dir=None, resume: bool = True,
-                    overwrite: bool = False, trust_remote_code: bool = False, max_shard_bytes=None, **kwargs):
+                    overwrite: bool = False, trust_remote_code: bool = False, max_shard_bytes=None,
+                    export_options=None, **kwargs):
     """Quantizes the model in the checkpoint folder ``model_dir`` layer by layer, reading each decoder layer from
     disk when its turn comes, and writes ``out_dir`` as the layers finish.
 
@@ -110,19 +110,20 @@ def quantize_folder(model_dir, calib, out_dir=None, config=None, *, export: str 
       out_dir: the output folder (or GGUF file); None: nothing is written, the records stay in ``result.weights``.
       config: a :class:`jgptq.config.PipelineConfig` / :class:`jgptq.config.QuantConfig` or None; ``**kwargs``
         override its fields as for :func:`jgptq.quantize_moe`.
-      export: ``"compressed-tensors"`` or ``"gptq"`` (a GGUF file needs the model loaded whole: quantize_moe
-        with :class:`jgptq.GGUFSink`).
+      export: ``"compressed-tensors"``, ``"gptq"`` or ``"gguf"`` (a GGML format's file; ``out_dir`` ending in
+        ``.gguf`` names the file, else it is ``out_dir/model.gguf``).
       tokenizer: a transformers tokenizer (text calibration; its files go to the output).
       device: the torch device layers run on (default: ``"cuda"`` when there is one, else ``"cpu"``).
       dtype: the dtype floating weights load in (a torch dtype; default: the config's).
       checkpoint_dir, resume: a resumable run (:func:`jgptq.quantize_moe`); a restarted run continues after its
         last finished layer and writes the same bytes.
       overwrite: replace an existing output.
-      max_shard_bytes: most tensor bytes per output shard (default: the exporters').
+      max_shard_bytes: most tensor bytes per output shard (default: the exporters'; not for ``gguf``).
+      export_options: passed to the sink (``gguf``: ``float_embeddings``, ``float_type``, ``name``, ...; see
+        :class:`jgptq_torch.export.gguf.stream.GGUFSink`).
     Returns:
       The :class:`jgptq.QuantizeResult`; ``result.model`` is the skeleton (decoder layers on meta). With an
-      ``out_dir`` of ``compressed-tensors``/``gptq``, ``result.weights`` is empty (written and released layer by
-      layer).
+      ``out_dir``, ``result.weights`` is empty (written and released layer by layer).
     """
     from jgptq_torch.pipeline.layerwise import quantize_moe
 
@@ -132,15 +133,26 @@ def quantize_folder(model_dir, calib, out_dir=None, config=None, *, export: str 
     sink = None
     if out_dir is not None:
         sink = make_sink(export, out_dir, model_dir, layers, tokenizer=tokenizer, overwrite=overwrite,
-                         max_shard_bytes=max_shard_bytes)
+                         max_shard_bytes=max_shard_bytes, **(export_options or {}))
     return quantize_moe(model, calib, config, tokenizer=tokenizer, device=device, checkpoint_dir=checkpoint_dir,
                         resume=resume, sink=sink, source=layers, **kwargs)
 
 
 def make_sink(export: str, out_dir, model_dir, layers: StreamedLayers, *, tokenizer=None, overwrite=False,
               max_shard_bytes=None, **options):
-    """The sink that writes ``export`` to ``out_dir`` as the layers of a streamed run finish."""
+    """The sink that writes ``export`` to ``out_dir`` as the layers of a streamed run finish. A ``gguf`` export
+    of a model or tokenizer the GGUF exporter refuses is refused here, before any layer is read
+    (:func:`jgptq_torch.export.gguf.export.check_exportable`)."""
     from jgptq_torch.export.folder_sink import CheckpointSink
+
+    if export == "gguf":
+        from jgptq_torch.export.gguf.export import check_exportable
+        from jgptq_torch.export.gguf.folder_sink import StreamedGGUFSink
+
+        if max_shard_bytes is not None:
+            raise ValueError("max_shard_bytes is for checkpoint folders; a GGUF export is one file")
+        check_exportable(layers.model, tokenizer)
+        return StreamedGGUFSink(out_dir, layers, tokenizer=tokenizer, overwrite=overwrite, **options)
 
     return CheckpointSink(export, out_dir, layers, source_dir=model_dir, tokenizer=tokenizer, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes, **options)

@@ -21,6 +21,8 @@ from jgptq.surface import option
 
 import re
 import threading
+
+import numpy as np
 from collections import Counter
 from pathlib import Path
 
@@ -41,7 +43,8 @@ def _layer_of(param: str) -> str:
 
 
 class GGUFSink:
-    """Writes a run's GGUF file as its layers finish (see the module).
+    """Writes a run's GGUF file as its layers finish (see the module). A parameter's records leave the sink once
+    its tensors are written (the run's ``result.weights`` keeps them unless the sink ``releases_records``).
 
     Args:
       out: the file (ending in ``.gguf``) or a folder that gets ``model.gguf``.
@@ -59,7 +62,8 @@ class GGUFSink:
         self._tokenizer, self._float_type, self._file_type = tokenizer, float_type, file_type
         self._name, self._float_embeddings = name, float_embeddings
         self._cond = threading.Condition()
-        self._weights: dict = {}          # checkpoint key -> record, as layers finish
+        self._weights: dict = {}          # checkpoint key -> record, as layers finish, until written
+        self._sizes: dict = {}            # checkpoint key -> (format, weights) of every record that came
         self._edges = None                # parameter -> record of the embedding / head, once the run ends
         self._error: BaseException | None = None
         self._stream = self._thread = self._early = None
@@ -82,6 +86,8 @@ class GGUFSink:
                                  f"export the finished run with export_gguf instead")
         self._file, self._keys = file, keys
         self._indirect = {p for p, k in keys.items() if len(k) != 1 or k[0] != p}   # kept per checkpoint key
+        self._users = Counter(k for ks in keys.values() for k in ks)        # key -> parameters not yet written
+        self._left = {p: len(e) for p, e in file.plan.items() if e}       # parameter -> its tensors not yet written
         self._places = {}                 # their rows' checkpoint places, found by the writer as it needs them
         entries = file.entries()
         self._entries = entries
@@ -93,7 +99,7 @@ class GGUFSink:
         self._thread = threading.Thread(target=self._work, name="jgptq-gguf", daemon=True)
         self._thread.start()
         self._early = None
-        if not self._float_embeddings and quant is not None:   # on the guess that the run's format dominates
+        if self.early_edges and not self._float_embeddings and quant is not None:   # on a guess: the run's format
             guess = edge_choices(result, file.plan, file.state, keys, Counter({quant.format: 1}))
             if guess:
                 self._early = (guess, {}, threading.Thread(target=self._encode_early, args=(guess,),
@@ -102,7 +108,7 @@ class GGUFSink:
 
     def _encode_early(self, guess: dict) -> None:
         with self._cond:   # after the first layer, whose compiling it would otherwise slow down
-            self._cond.wait_for(lambda: self._weights or self._error is not None or self._edges is not None)
+            self._cond.wait_for(lambda: self._sizes or self._error is not None or self._edges is not None)
         try:
             self._early[1].update(encode_edges(self._file.state, guess))
         except Exception:   # encoded again at the end, where an error is reported
@@ -113,6 +119,7 @@ class GGUFSink:
         check_ggml(records)
         with self._cond:
             self._weights.update(records)
+            self._sizes.update((k, (rec.format, int(np.prod(rec.shape)))) for k, rec in records.items())
             self._cond.notify_all()
 
     def finish(self, result) -> Path:
@@ -120,12 +127,15 @@ class GGUFSink:
         writer, writes the header and puts the file in place. Returns its path."""
         file = self._file
         with self._cond:
-            weights = dict(self._weights)
-        missing = sorted(k for keys in self._keys.values() for k in keys if k not in weights)
+            sizes = dict(self._sizes)
+        missing = sorted(k for keys in self._keys.values() for k in keys if k not in sizes)
         if missing:
             self.abort()
             raise ValueError(f"the run's records {missing[:4]} never reached the GGUF file")
-        formats = record_formats(weights[k] for keys in self._keys.values() for k in keys)
+        formats = Counter()      # weights per format, counted in the order export_gguf counts them
+        for keys in self._keys.values():
+            for k in keys:
+                formats[sizes[k][0]] += sizes[k][1]
         choices = ({} if self._float_embeddings else
                    edge_choices(result, file.plan, file.state, self._keys, formats))
         edges = {}
@@ -193,11 +203,33 @@ class GGUFSink:
                 rec = self._record(param) if wanted else None
                 if self._error is not None:
                     return
+                if rec is None and param is not None:
+                    self._ready(param)
+                    if self._error is not None:
+                        return
                 self._stream.write(self._file.tensor(param, t, rec))
+                if param is not None:
+                    self._written(param)
         except BaseException as exc:  # handed to finish(), which raises it in the pipeline's thread
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    early_edges = True   # the embedding and head are encoded beside the layers, on a guess of the run's formats
+
+    def _ready(self, param: str) -> None:
+        """Called by the writer before a float tensor of ``param`` is written: its values are in the model."""
+
+    def _written(self, param: str) -> None:
+        """Called by the writer after each tensor of ``param``: once all are written, its records leave."""
+        self._left[param] -= 1
+        if self._left[param] or param not in self._keys:
+            return
+        with self._cond:
+            for k in self._keys[param]:
+                self._users[k] -= 1
+                if not self._users[k]:
+                    self._weights.pop(k, None)
 
     @staticmethod
     def _is_edge(t) -> bool:
