@@ -73,7 +73,8 @@ from jgptq_torch.pipeline import (
     run_setup,
 )
 from jgptq_torch.pipeline.calibrate import calibrate
-from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline.layer_state import run_layer
 from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE, Measure
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of

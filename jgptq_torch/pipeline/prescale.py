@@ -35,7 +35,7 @@ from jgptq import methods
 from jgptq.methods import awq
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_jax, to_torch
-from jgptq_torch.pipeline.inputs import run_layer
+from jgptq_torch.pipeline.layer_state import run_layer
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
 log = logging.getLogger(__name__)
