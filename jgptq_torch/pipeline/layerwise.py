@@ -140,7 +140,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
                        float_stream.FloatStream(cfg, imatrix) if float_stream.enabled(cfg, imatrix) else None,
-                       prescale.PreScale.of(run), hooks.WarmUp(), hooks.Offload()])
+                       prescale.Fold.of(run), hooks.WarmUp(), hooks.Offload()])
     _run_pass(run, 0 if saved is None else saved.done)
     for w in run.report.warnings:
         if w not in run.said:
@@ -270,7 +270,7 @@ def _solve(run: Run, step: LayerStep) -> tuple:
     own = importance.layer_imatrix(collector, run.prefix, i, target, span)
     given = run.given if run.given is not None else step.imatrix
     stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
-    run.hooks.before_solve(run, step)   # the layer as the solve reads it: a pre-scaling method's fold is in
+    run.hooks.before_solve(run, step)   # before the matrices are read: a pre-scaling method folds its scales in
     stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, span, step.scales)
     for name, counts in collector.routed.items():
         if collector.batch_tokens and not sum(counts):

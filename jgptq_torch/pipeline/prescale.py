@@ -1,7 +1,7 @@
 """The fold step of a pre-scaling method (:mod:`jgptq.methods.awq`): per-input-channel scales chosen by jgptq,
 multiplied into every reader of an input and divided out of its producer, so the float layer is unchanged.
 
-:class:`PreScale` is the layer step's hook (:mod:`jgptq_torch.pipeline.step`) of a run whose plan has a
+:class:`Fold` is the layer step's hook (:mod:`jgptq_torch.pipeline.step`) of a run whose plan has a
 pre-scaling method; per decoder layer, before the solve (its ``before_solve``):
 
 1. producers and readers are found from the layer itself, by one float forward on the first batch with hooks on
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}   # relative change of the layer's output; others: 2e-2
 
 
-class PreScale(Hook):
+class Fold(Hook):
     """The fold of a run whose plan pre-scales some matrices: before each pass's solve, :func:`fold_layer` on the
     calibrated layer, its scales handed to the step (:attr:`jgptq_torch.pipeline.step.LayerStep.scales`)."""
 

@@ -13,7 +13,7 @@ this order:
   hook that sets :attr:`LayerStep.next_inputs` in ``after_calibrate`` ends the step there (the measuring pass of
   ``target_bpw``: :class:`jgptq_torch.pipeline.measure.Measure`); ``before_solve`` comes before the pass's
   matrices are read for the solve, so a hook may still change the layer there (the fold of a pre-scaling method:
-  :class:`jgptq_torch.pipeline.prescale.PreScale`, which sets :attr:`LayerStep.scales`);
+  :class:`jgptq_torch.pipeline.prescale.Fold`, which sets :attr:`LayerStep.scales`);
   ``after_layer(run, i, hidden)`` with the next layer's inputs;
 - ``finish(run)`` once every layer is done; ``close(run, error)`` always at the end (``error``: the exception the
   run stops with, or None).
@@ -22,7 +22,7 @@ this order:
 nested blocks do: the layer fetched last is put back first, before the state that names it is saved.
 
 The hooks: :mod:`jgptq_torch.pipeline.hooks` (the layers' places, the resumable state, the solves' warm-up, the
-sink), :class:`jgptq_torch.pipeline.float_stream.FloatStream` and :class:`jgptq_torch.pipeline.prescale.PreScale`.
+sink), :class:`jgptq_torch.pipeline.float_stream.FloatStream` and :class:`jgptq_torch.pipeline.prescale.Fold`.
 """
 
 from __future__ import annotations
