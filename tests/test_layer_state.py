@@ -12,8 +12,8 @@ import jgptq
 from jgptq_torch.models import UnsupportedModelError
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline.calib import batches
-from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
-from jgptq_torch.pipeline.layer_state import Carried, Shared, output_arity
+from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline.layer_state import Carried, Shared, output_arity, run_layer
 from tests.tiny_models import build, next_token_kl, token_ids
 
 transformers = pytest.importorskip("transformers")

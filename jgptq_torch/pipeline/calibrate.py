@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 
 from jgptq_torch.pipeline import capture
-from jgptq_torch.pipeline.inputs import run_layer
+from jgptq_torch.pipeline.layer_state import run_layer
 from jgptq_torch.progress import stage_bar
 
 

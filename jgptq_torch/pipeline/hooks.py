@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 from jgptq.surface import option
 from jgptq_torch.pipeline import (
     expert_chunks,
     float_stream,
     importance,
-    run_setup,
     weight_checks,
 )
 from jgptq_torch.pipeline import offload as offload_mod
@@ -55,8 +55,21 @@ class Offload(Hook):
         note = run.placement.failure_note() if error is not None else ""
         if note:
             error.add_note(note)
-        run_setup.finish(run.placement, error is not None)
+        end_placement(run.placement, error is not None)
         run.report.memory.update(run.placement.memory)
+
+
+def end_placement(placement, failed: bool) -> None:
+    """Ends ``placement`` (:class:`jgptq_torch.pipeline.offload.Placement`) as a run stops; after a failure, an
+    error of its own is only warned about (the run's error stands)."""
+    if not failed:
+        placement.finish(False)
+        return
+    try:
+        placement.finish(True)
+    except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+        warnings.warn(f"after the run's error, the offloaded layers could not be loaded back ({exc}); "
+                      f"{placement.memory.get('offload_dir', '')} holds them", stacklevel=3)
 
 
 def _timed_move(run, i: int, move) -> None:

@@ -1,11 +1,11 @@
 """The inputs of every decoder layer, recorded once: the model runs with its layers replaced by recorders.
 
 :func:`capture_inputs` gives the first layer's hidden states per calibration batch and every layer's other
-arguments (position embeddings, masks), moved to the run device; :func:`run_layer` runs a layer on them.
+arguments (position embeddings, masks), moved to the run device.
 
 State a model's forward hands from one layer to the next (a layer's further outputs, a container several layers
-share) is found during the capture and carried by each stream of hidden states
-(:mod:`jgptq_torch.pipeline.layer_state`).
+share) is found during the capture as links among those arguments; each stream of hidden states carries its own,
+and :func:`jgptq_torch.pipeline.layer_state.run_layer` runs a layer on the arguments with the links filled.
 """
 
 from __future__ import annotations
@@ -106,13 +106,3 @@ def capture_inputs(model, layers, batch_list, device):
         for layer in layers:
             layer.__dict__.pop("forward", None)
     return hidden, inputs
-
-
-def run_layer(layer, hs, rest, kwargs):
-    """Runs ``layer`` on hidden states ``hs`` (B, S, H) and its captured arguments, their links filled from the state
-    ``hs`` carries (:func:`jgptq_torch.pipeline.layer_state.fill`). Returns the output hidden states, carrying the
-    state the layer hands on (:func:`jgptq_torch.pipeline.layer_state.attach`)."""
-    (rest, kwargs), given = state.fill(layer, hs, (rest, kwargs))
-    out = layer(hs, *rest, **kwargs)
-    hidden = out[0] if isinstance(out, (tuple, list)) else out
-    return state.attach(hidden, out, hs, given)

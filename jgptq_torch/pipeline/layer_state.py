@@ -13,12 +13,13 @@ capture_inputs`), none listed per model:
   (not a plain dict, which the capture copies per layer) given to more than one layer becomes a :class:`Shared`
   link, with its contents at the capture (empty).
 
-:func:`fill` gives a layer its arguments with the links filled from the state its input hidden states carry (a
-fresh copy of each shared container, holding what the stream's earlier layers wrote), and :func:`attach` gives the
-output hidden states the layer's further values (attribute ``carried``: position in the output -> value) and the
-containers' contents after the layer (attribute ``shared``: slot -> {key: value}). Each stream of hidden states
-(the run's replay, the float model's stream, a calibration forward's outputs) thereby carries its own state, as
-the model's forward would. :func:`stored_state` / :func:`restore_state` keep it in a checkpoint's inputs file.
+:func:`run_layer` runs a decoder layer as the model's forward would: :func:`fill` gives the layer its arguments
+with the links filled from the state its input hidden states carry (a fresh copy of each shared container, holding
+what the stream's earlier layers wrote), and :func:`attach` gives the output hidden states the layer's further
+values (attribute ``carried``: position in the output -> value) and the containers' contents after the layer
+(attribute ``shared``: slot -> {key: value}). Each stream of hidden states (the run's replay, the float model's
+stream, a calibration forward's outputs) thereby carries its own state; every forward of a decoder layer in the
+pipeline goes through :func:`run_layer`. :func:`stored_state` / :func:`restore_state` keep it in a checkpoint's inputs file.
 """
 
 from __future__ import annotations
@@ -201,6 +202,17 @@ def attach(hidden, out, hs, given: dict):
     if shared:
         hidden.__dict__[SHARED] = shared
     return hidden
+
+
+def run_layer(layer, hs, rest, kwargs):
+    """Runs ``layer`` on hidden states ``hs`` (B, S, H) and its captured arguments (``rest``, ``kwargs``:
+    :func:`jgptq_torch.pipeline.inputs.capture_inputs`), their links filled from the state ``hs`` carries
+    (:func:`fill`). Returns the output hidden states (B, S, H), carrying the state the layer hands on
+    (:func:`attach`)."""
+    (rest, kwargs), given = fill(layer, hs, (rest, kwargs))
+    out = layer(hs, *rest, **kwargs)
+    hidden = out[0] if isinstance(out, (tuple, list)) else out
+    return attach(hidden, out, hs, given)
 
 
 def stored_state(name: str, hidden) -> tuple:

@@ -34,7 +34,8 @@ Around the step, hooks (:mod:`jgptq_torch.pipeline.step` names the points where 
 :mod:`jgptq_torch.pipeline.hooks`): the layers' moves (:mod:`jgptq_torch.pipeline.offload`), the state of a
 resumable run, written after every layer when ``checkpoint_dir`` is given (:mod:`jgptq_torch.pipeline.resume`),
 compiling a new layer's solves ahead (:func:`jgptq_torch.pipeline.solve.warm_solves`), the float model's stream
-(:mod:`jgptq_torch.pipeline.float_stream`) and a ``sink`` that writes the records as the layers finish.
+(:mod:`jgptq_torch.pipeline.float_stream`), the fold of a pre-scaling method before the solve
+(:mod:`jgptq_torch.pipeline.prescale`) and a ``sink`` that writes the records as the layers finish.
 
 A ``target_bpw`` run first chooses its formats (:func:`choose_formats`): a first pass of the same layer step over
 every layer, with the measurement as its only hook (:class:`jgptq_torch.pipeline.measure.Measure`: each step ends
@@ -72,7 +73,8 @@ from jgptq_torch.pipeline import (
     run_setup,
 )
 from jgptq_torch.pipeline.calibrate import calibrate
-from jgptq_torch.pipeline.inputs import capture_inputs, run_layer
+from jgptq_torch.pipeline.inputs import capture_inputs
+from jgptq_torch.pipeline.layer_state import run_layer
 from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE, Measure
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of
@@ -138,7 +140,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
                        float_stream.FloatStream(cfg, imatrix) if float_stream.enabled(cfg, imatrix) else None,
-                       hooks.WarmUp(), hooks.Offload()])
+                       prescale.Fold.of(run), hooks.WarmUp(), hooks.Offload()])
     _run_pass(run, 0 if saved is None else saved.done)
     for w in run.report.warnings:
         if w not in run.said:
@@ -268,16 +270,14 @@ def _solve(run: Run, step: LayerStep) -> tuple:
     own = importance.layer_imatrix(collector, run.prefix, i, target, span)
     given = run.given if run.given is not None else step.imatrix
     stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
-    scales = prescale.fold_layer(run, step, base)
-    stacks = prescale.scale_stacks(layer_stacks(collector, target, base, run.plan, run.cfg, stats, span), scales,
-                                   collector)
+    run.hooks.before_solve(run, step)   # before the matrices are read: a pre-scaling method folds its scales in
+    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, span, step.scales)
     for name, counts in collector.routed.items():
         if collector.batch_tokens and not sum(counts):
             raise models.UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "
                                                f"implementation; its routed tokens cannot be seen")
         report.coverage[f"{base}.{name}"] = list(counts)
         report.thresholds[f"{base}.{name}"] = threshold
-    run.hooks.before_solve(run, step)
     solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
     report.add_time(i, "solve", time.perf_counter() - t0)

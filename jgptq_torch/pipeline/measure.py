@@ -47,7 +47,8 @@ import numpy as np
 from jgptq import plan as plan_mod
 from jgptq.bucket import MatrixPlan, Stack, quantize_bucket
 from jgptq.objective import hessian_loss
-from jgptq_torch.pipeline import importance, run_setup
+from jgptq_torch.pipeline import importance
+from jgptq_torch.pipeline.hooks import end_placement
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
@@ -298,7 +299,7 @@ class Measure(Hook):
         run.report.add_time(i, "sensitivity", time.perf_counter() - self.t0)
 
     def close(self, run, error) -> None:
-        run_setup.finish(run.placement, error is not None)
+        end_placement(run.placement, error is not None)
 
 
 def work_ratio(free: dict, stride: int = EXPERT_ROW_STRIDE, share: int = EXPERT_SHARE) -> float:

@@ -1,7 +1,8 @@
 """The fold step of a pre-scaling method (:mod:`jgptq.methods.awq`): per-input-channel scales chosen by jgptq,
 multiplied into every reader of an input and divided out of its producer, so the float layer is unchanged.
 
-Per decoder layer, between the calibration and the solve:
+:class:`Fold` is the layer step's hook (:mod:`jgptq_torch.pipeline.step`) of a run whose plan has a
+pre-scaling method; per decoder layer, before the solve (its ``before_solve``):
 
 1. producers and readers are found from the layer itself, by one float forward on the first batch with hooks on
    every submodule: a producer is a normalization module (a leaf whose parameters are 1-D vectors of the hidden
@@ -15,8 +16,9 @@ Per decoder layer, between the calibration and the solve:
 3. the float layer runs again on the first batch: an output that moved (a reader the hooks could not see, e.g.
    a functional use of the norm's output, or a norm that is not ``weight * normalized(x)``) undoes every fold of
    the layer, reported as a warning;
-4. the solve's stacks get the scaled Hessians ``diag(s)^-1 H diag(s)^-1`` (their weights, read from the model,
-   are already scaled).
+4. the scales go to the step (:attr:`jgptq_torch.pipeline.step.LayerStep.scales`), whose solve stacks get the
+   scaled Hessians ``diag(s)^-1 H diag(s)^-1`` (:func:`jgptq_torch.pipeline.solve.layer_stacks`; their weights,
+   read from the model, are already scaled).
 
 A down projection (whose producer is an elementwise product inside the MLP, not a module) and an attention
 output projection keep ``s = 1``; so does a layer whose routed experts are solved in chunks.
@@ -33,11 +35,25 @@ from jgptq import methods
 from jgptq.methods import awq
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_jax, to_torch
-from jgptq_torch.pipeline.inputs import run_layer
+from jgptq_torch.pipeline.layer_state import run_layer
+from jgptq_torch.pipeline.step import Hook, LayerStep
 
 log = logging.getLogger(__name__)
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}   # relative change of the layer's output; others: 2e-2
+
+
+class Fold(Hook):
+    """The fold of a run whose plan pre-scales some matrices: before each pass's solve, :func:`fold_layer` on the
+    calibrated layer, its scales handed to the step (:attr:`jgptq_torch.pipeline.step.LayerStep.scales`)."""
+
+    @classmethod
+    def of(cls, run):
+        """The hook for ``run``, or None where no planned matrix's method pre-scales."""
+        return cls() if prescaling(run.plan, run.plan.matrices) else None
+
+    def before_solve(self, run, step: LayerStep) -> None:
+        step.scales = fold_layer(run, step, f"{run.prefix}.{step.index}")
 
 
 def prescaling(plan, params) -> dict:
@@ -113,8 +129,8 @@ def fold_layer(run, step, base: str) -> dict:
         calibration (layer, inputs, collector, targets).
       base: the layer's qualified name.
     Returns:
-      Hessian key of the collector (as :func:`jgptq_torch.pipeline.solve.layer_stacks` reads it) -> torch scale
-      (C,) of every target matrix whose input was scaled, for :func:`scale_stacks`.
+      Hessian key of the collector (as :func:`jgptq_torch.pipeline.solve.layer_stacks` reads it) -> scale (C,)
+      of every target matrix whose input was scaled (the ``scales`` of ``layer_stacks``).
     """
     layer, target, collector, report = step.layer, step.target, step.collector, run.report
     params = {m.param_name(base): m for m in target.matrices()}
@@ -207,21 +223,6 @@ def _fold(modules, producer, readers, params, by_module, s) -> list:
             else:
                 scale(modules[r].weight.data, s)
     return undo
-
-
-def scale_stacks(items: list, scales: dict, collector) -> list:
-    """The (Matrix, parameter name, Stack) triples of :func:`jgptq_torch.pipeline.solve.layer_stacks` with the
-    Hessians of the scaled matrices replaced by ``diag(s)^-1 H diag(s)^-1``."""
-    if not scales:
-        return items
-    out = []
-    for m, param, stack in items:
-        key = collector.tie.get(m.hessian_key) if m.layout is None else m.hessian_key
-        s = scales.get(key)
-        if s is not None and stack.hessian is not None:
-            stack = stack._replace(hessian=awq.scaled_hessian(stack.hessian, s))
-        out.append((m, param, stack))
-    return out
 
 
 def check_run(cfg, checkpoint_dir, source) -> None:

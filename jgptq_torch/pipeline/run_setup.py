@@ -1,8 +1,8 @@
-"""What a run of :func:`jgptq_torch.pipeline.layerwise.quantize_moe` decides before any work, and how it ends.
+"""What a run of :func:`jgptq_torch.pipeline.layerwise.quantize_moe` decides before any work.
 
 :func:`prepare` makes the :class:`Run` every layer step shares: the decoder layers and their targets, the plan
 (:func:`plan_layers`), checkpoint names, calibration batches, the layer placement with its budget checked, the
-up-front weight checks, and the report. :func:`finish` ends the placement. The quantizing pass
+up-front weight checks, and the report. The quantizing pass
 (:mod:`jgptq_torch.pipeline.layerwise`) and the first pass of a ``target_bpw`` run (:mod:`jgptq_torch.pipeline.sensitivity`) both start here.
 """
 
@@ -104,15 +104,3 @@ def plan_layers(prefix: str, layers, cfg) -> tuple:
     targets = [t.without({m.name for m in t.matrices() if m.param_name(f"{prefix}.{i}") in plan.skipped})
                for i, t in enumerate(found)]
     return targets, plan
-
-
-def finish(placement, failed: bool) -> None:
-    """Ends the placement; after a failure, an error of its own is only warned about (the run's error stands)."""
-    if not failed:
-        placement.finish(False)
-        return
-    try:
-        placement.finish(True)
-    except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
-        warnings.warn(f"after the run's error, the offloaded layers could not be loaded back ({exc}); "
-                      f"{placement.memory.get('offload_dir', '')} holds them", stacklevel=3)

@@ -11,7 +11,9 @@ this order:
   ``after_calibrate`` and ``before_solve`` on each of its passes (one, or one per chunk of routed experts when the
   layer goes in chunks: :mod:`jgptq_torch.pipeline.expert_chunks`; :attr:`LayerStep.first` tells the first); a
   hook that sets :attr:`LayerStep.next_inputs` in ``after_calibrate`` ends the step there (the measuring pass of
-  ``target_bpw``: :class:`jgptq_torch.pipeline.measure.Measure`);
+  ``target_bpw``: :class:`jgptq_torch.pipeline.measure.Measure`); ``before_solve`` comes before the pass's
+  matrices are read for the solve, so a hook may still change the layer there (the fold of a pre-scaling method:
+  :class:`jgptq_torch.pipeline.prescale.Fold`, which sets :attr:`LayerStep.scales`);
   ``after_layer(run, i, hidden)`` with the next layer's inputs;
 - ``finish(run)`` once every layer is done; ``close(run, error)`` always at the end (``error``: the exception the
   run stops with, or None).
@@ -20,7 +22,7 @@ this order:
 nested blocks do: the layer fetched last is put back first, before the state that names it is saved.
 
 The hooks: :mod:`jgptq_torch.pipeline.hooks` (the layers' places, the resumable state, the solves' warm-up, the
-sink) and :class:`jgptq_torch.pipeline.float_stream.FloatStream`.
+sink), :class:`jgptq_torch.pipeline.float_stream.FloatStream` and :class:`jgptq_torch.pipeline.prescale.Fold`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class LayerStep:
     outputs: list = None           # they, when kept
     collector: object = None       # the calibration's Collector
     partner: object = None         # a hook's float stream run beside the calibration (calibrate.Partner), or None
+    scales: dict = None            # set by a hook in before_solve that folded per-input-channel scales into the
+                                   # layer (pre-scaling): Hessian key -> scale (C,); the solve's Hessians become
+                                   # diag(s)^-1 H diag(s)^-1
     next_inputs: list = None       # set by a hook whose pass ends with the calibration (a measuring pass: nothing
                                    # is solved or written back): the next layer's inputs
 
@@ -59,7 +64,7 @@ class LayerStep:
         """Starts the pass of routed experts ``span`` over ``target``; what the pass before kept is let go."""
         self.span, self.target = span, target
         self.keep_outputs, self.outputs, self.collector, self.partner = False, None, None, None
-        self.next_inputs = None
+        self.scales, self.next_inputs = None, None
 
 
 class Hook:
