@@ -150,26 +150,6 @@ def _fit_block(config, target: Target, fmt: str) -> tuple:
                       f"{block}; {fallback} used instead ({named})")
 
 
-def budget_options(config, target: Target, rows: int, count: int, n_layers: int, n_expert: int) -> tuple:
-    """What a ``target_bpw`` run may do with one matrix (``count`` stacked (``rows``, ``target.cols``) matrices),
-    with the exact sizes in bits (:func:`jgptq.allocate.tensor_bits`): ``(held, candidates)``.
-
-    ``held``: (format, bits) of a matrix that a ``formats`` or ``exclude`` rule holds (format ``"float"`` when
-    excluded, ``"int<bits>"`` on an integer grid), else None. ``candidates``: format -> (bits, the
-    :class:`MatrixPlan` of :func:`plan_matrix` with that candidate), in the order of
-    :func:`jgptq.allocate.candidates`; empty when held.
-    """
-    from jgptq.allocate import candidates, tensor_bits
-
-    if first_rule(config, target.name) is not None:
-        plan, _ = plan_matrix(config, target._replace(routed=False), n_layers, n_expert)
-        fmt = "float" if plan is None else (plan.format if plan.quant.is_ggml else f"int{plan.quant.bits}")
-        return (fmt, tensor_bits(fmt, rows, target.cols, count, config.quant)), {}
-    return None, {f: (tensor_bits(f, rows, target.cols, count, config.quant),
-                      plan_matrix(config, target, n_layers, 0, candidate=f)[0])
-                  for f in candidates(config, target.cols)}
-
-
 def resolve(config, targets: Iterable[Target], n_layers: int, n_expert: int, n_gqa: int = 1) -> Plan:
     """The :class:`Plan` of every target of a model (:func:`plan_matrix` for each), with the rules of
     ``config`` that matched no target reported in ``unmatched``."""

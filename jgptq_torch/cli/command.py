@@ -29,10 +29,8 @@ from jgptq_torch.cli import preflight
 from jgptq_torch.cli.lock import output_lock, remove_leftovers
 from jgptq_torch.cli.command_inputs import (CommandError, check_model_dir, check_output, log, model_dtype, parse_size,
                                     paths_for)
-from jgptq.config import MoEConfig, PipelineConfig, QuantConfig
-from jgptq.config import parse_size as config_size
-from jgptq.export.records import SCALE_DTYPES
-from jgptq.options import config_values
+from jgptq.command_config import config_of
+from jgptq.config import PipelineConfig, QuantConfig
 
 
 MIN_SEQ_LEN = 16   # tokens per calibration window below which attention sees too little context to calibrate
@@ -66,75 +64,22 @@ def check_group_size(model_dir: Path, quant: QuantConfig, exclude) -> None:
                        f"(config.json), the input width of its attention and expert projections; use {hint}")
 
 
-def build_config(args, dtype: str) -> PipelineConfig:
-    """The pipeline configuration of the command-line options (scales stored as the exporter needs them).
-
-    Every option of a configuration field is read as the field declares it (:mod:`jgptq.options`); what is decided
-    here is what no one field says: the scale dtype the exporter stores, the format a mix or a target runs on, and
-    the ``target_*`` fields, which only a budget turns on (:func:`target_options`).
+def build_config(args, dtype: str, work=None) -> PipelineConfig:
+    """The pipeline configuration of the command-line options (:func:`jgptq.command_config.config_of`: scales
+    stored as the exporter needs them, the format of a mix or a target, the ``target_*`` fields, a disk offload's
+    folder in the working folder ``work``), checked against what the chosen exporter can hold.
 
     Raises:
       jgptq_torch.export.checkpoint.ExportError: a format the chosen exporter cannot hold; ValueError: an invalid option.
     """
-    if args.export == "gptq":
-        scale_dtype = "float16"          # GPTQ v1 stores float16 scales
-    elif dtype in SCALE_DTYPES:
-        scale_dtype = dtype              # compressed-tensors: the model dtype, so loaders decode exactly
-    else:
-        scale_dtype = "float16"
-    fmt = args.format
-    target = target_options(args)
-    if target and args.export == "gguf" and fmt == "int":
-        fmt = "q4_k"   # a GGML run; the target gives every tensor its own format
-    from jgptq.mixes import run_format
-
-    fmt = run_format(args.mix, fmt)   # the format the exporter check below must see
-    quant = QuantConfig(**{**config_values(args, QuantConfig), "format": fmt, "scale_dtype": scale_dtype})
+    cfg = config_of(args, dtype, work)
     from jgptq_torch.export.checkpoint import check_format
 
-    check_format(args.export, quant)   # before the pipeline's own checks: say what the exporter holds
+    check_format(args.export, cfg.quant)   # say what the exporter holds before the run
     if args.gptq_names != "checkpoint" and args.export != "gptq":
         raise CommandError(f"--gptq-names {args.gptq_names} is for --export gptq (GPTQModel.load); {args.export} "
                            f"checkpoints keep the names their loaders read")
-    fields = {**config_values(args, MoEConfig), **config_values(args, PipelineConfig)}
-    fields = {name: value for name, value in fields.items() if name not in TARGET_FIELDS}
-    return PipelineConfig.build(None, quant=quant, **fields, **target)
-
-
-# --target-size is a size in bytes: it becomes bits per weight once the model's weights are counted (after the
-# model is loaded); until then the config holds this placeholder, so that every other check runs before loading.
-_SIZE_PLACEHOLDER_BPW = 16.0
-
-
-# The fields of a bits budget: set from their options only when --target-bpw or --target-size gives a budget.
-TARGET_FIELDS = ("target_bpw", "target_formats", "target_gain")
-
-
-def target_options(args) -> dict:
-    """The ``target_*`` config fields of ``--target-bpw``/``--target-size``/``--target-formats``/``--target-gain``
-    (empty without a target). Raises CommandError for a combination no run can use."""
-    given = {name: value for name, value in config_values(args, PipelineConfig).items() if name in TARGET_FIELDS}
-    bpw, size, formats = given["target_bpw"], getattr(args, "target_size", None), given["target_formats"]
-    if bpw is not None and size is not None:
-        raise CommandError("--target-bpw and --target-size both set the budget; give one of them")
-    if bpw is None and size is None:
-        if formats:
-            raise CommandError("--target-formats needs a budget: --target-bpw BITS or --target-size SIZE")
-        return {}
-    flag = "--target-bpw" if bpw is not None else "--target-size"
-    if args.export != "gguf":
-        raise CommandError(f"{flag} gives tensors different formats, and a {args.export} checkpoint holds one bit "
-                           f"width for all; use --export gguf (GGML formats per tensor)")
-    if args.mix is not None:
-        raise CommandError(f"{flag} chooses every tensor's format and cannot be combined with --mix {args.mix}; fix "
-                           f"some tensors with --tensor-format REGEX=FORMAT instead")
-    if size is not None:
-        try:
-            if config_size(size) < 1:
-                raise ValueError
-        except ValueError:
-            raise CommandError(f"--target-size {size}: not a positive size such as 24GB or 500MiB") from None
-    return {**given, "target_bpw": bpw if bpw is not None else _SIZE_PLACEHOLDER_BPW}
+    return cfg
 
 
 def size_to_bpw(model, size: str) -> float:
@@ -223,9 +168,7 @@ def _quantize(args, held: contextlib.ExitStack) -> int:
     files = paths_for(args.out)
     dtype = model_dtype(model_dir, args.dtype)
     check_calibration_options(args)
-    cfg = build_config(args, dtype)
-    if cfg.offload == "disk" and cfg.offload_dir is None:  # beside the run's state, removed with it
-        cfg = PipelineConfig.build(cfg, offload_dir=str(files["work"] / "offload"))
+    cfg = build_config(args, dtype, files["work"])   # a disk offload's layers beside the run's state, removed with it
     check_output(files["out"], args.overwrite)
     held.enter_context(output_lock(files["out"], args.quiet))   # a second run on this output stops here
     if args.export == "gguf":

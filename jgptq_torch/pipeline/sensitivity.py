@@ -7,10 +7,10 @@ MLPs) is a group of its own. Matrices that ``formats`` rules or ``exclude`` patt
 stay in floating point, 16 bits per weight) and are fixed costs of the budget. Embeddings and the output head are
 not decoder-layer targets: they keep their normal handling and are outside the budget.
 
-Layout (:func:`_layout`). Before any work, every decoder-layer target is resolved once into a :class:`Layout`:
-the fixed matrices with their sizes, and for every free matrix its candidates (:func:`jgptq.allocate.candidates`),
-each with its exact size and the plan the first pass solves it with. The reach check, the line that says what the
-pass will do, the measurement and the allocation all read it.
+Layout (:func:`_layout`). Before any work, every decoder-layer target is resolved once into a :class:`Layout`,
+by one question to :func:`jgptq.choices.layout`: the fixed matrices with their sizes, and for every free matrix
+its candidates (:func:`jgptq.allocate.candidates`), each with its exact size and the plan the first pass solves it
+with. The reach check, the line that says what the pass will do, the measurement and the allocation all read it.
 
 Measure (:class:`jgptq_torch.pipeline.measure.Measure`, the hook of the pipeline's layer step in this pass:
 :func:`jgptq_torch.pipeline.layerwise.choose_formats`). The float model runs layer by layer on float inputs and
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from jgptq import allocate as alloc
-from jgptq import plan as plan_mod
+from jgptq import choices, plan
 from jgptq.surface import on_command_line, option
 from jgptq_torch import models
 from jgptq_torch.pipeline import measure as measure_mod
@@ -100,29 +100,19 @@ class Layout(NamedTuple):
 
 def _layout(cfg, prefix: str, layers) -> Layout:
     """The :class:`Layout` of the decoder ``layers`` (named ``prefix.<i>``) under ``cfg``: every matrix's rule,
-    candidates, their sizes and plans, decided here once.
+    candidates, their sizes and plans, decided once by :func:`jgptq.choices.layout`.
 
     Raises:
       ValueError: a free matrix that no candidate fits.
     """
     found = [models.layer_targets(layer) for layer in layers]
     n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
-    free, fixed, weights = {}, {}, 0
-    for i, t in enumerate(found):
-        for m in t.matrices():
-            param = m.param_name(f"{prefix}.{i}")
-            weights += m.count * m.rows * m.cols
-            target = plan_mod.Target(m.name, i, m.cols, param, m.layout is not None)
-            held, candidates = plan_mod.budget_options(cfg, target, m.rows, m.count, len(layers), n_expert)
-            if held is not None:
-                fixed[param] = held
-            elif not candidates:
-                offered = ", ".join(cfg.target_formats) or "the default family"
-                raise ValueError(f"{param}: no candidate format of target_bpw ({offered}) fits its {m.cols} input "
-                                 f"columns; give it a format with {option('formats')} or leave it unquantized "
-                                 f"with {option('exclude')}")
-            else:
-                free[param] = Free(i, group_name(m.name), m, {f: Candidate(*c) for f, c in candidates.items()})
+    matrices = {m.param_name(f"{prefix}.{i}"): (i, m) for i, t in enumerate(found) for m in t.matrices()}
+    fixed, options, weights = choices.layout(
+        cfg, [choices.Sized(plan.Target(m.name, i, m.cols, param, m.layout is not None), m.rows, m.count)
+              for param, (i, m) in matrices.items()], len(layers), n_expert)
+    free = {param: Free(i, group_name(m.name), m, {f: Candidate(*c) for f, c in options[param].items()})
+            for param, (i, m) in matrices.items() if param in options}
     return Layout(free, fixed, weights)
 
 
@@ -216,8 +206,9 @@ def plan_line(cfg, free: dict, fixed: dict, weights: int, n_layers: int,
     their rows: :func:`jgptq_torch.pipeline.measure.row_stride`), their work in solved rows against the run that
     follows (which solves each stack once, whole) and the range the candidates reach."""
     least, most, _, _ = reachable(free, fixed, weights)
-    formats = sorted({f for *_, names in free.values() for f in names},
-                     key=lambda f: (alloc.tensor_bits(f, 1, 256, 1, cfg.quant), f))
+    per_weight = {f: c.bits / (m.count * m.rows * m.cols) for _, _, m, names in free.values()
+                  for f, c in names.items()}
+    formats = sorted(per_weight, key=lambda f: (per_weight[f], f))
     solves = sum(len(names) for *_, names in free.values())
     strides = sorted({measure_mod.row_stride(m, group, stride) for _, group, m, _ in free.values()} - {1}
                      if stride else set())
