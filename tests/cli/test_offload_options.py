@@ -27,3 +27,15 @@ def test_bad_offload_options_and_over_budget_runs_are_refused(model_dir, tmp_pat
     fails(["--offload-dir", tmp_path / "layers"], "only used with offload='disk'")
     fails(["--device-budget", "lots"], "'lots' is not a number of bytes")
     fails(["--offload", "disk", "--device-budget", "1kB"], "decoder layer 0 alone needs about")
+
+
+def test_a_disk_offload_without_a_folder_keeps_its_layers_in_the_working_folder(tmp_path):
+    from jgptq.command_config import config_of
+
+    args = build_parser().parse_args(["quantize", "m", "--calib", "c.txt", "--out", "o", "--offload", "disk"])
+    assert config_of(args, "bfloat16", tmp_path / "o.jgptq-work").offload_dir == str(tmp_path / "o.jgptq-work" /
+                                                                                       "offload")
+    assert config_of(args, "bfloat16").offload_dir is None
+    given = build_parser().parse_args(["quantize", "m", "--calib", "c.txt", "--out", "o", "--offload", "disk",
+                                       "--offload-dir", "/data/layers"])
+    assert config_of(given, "bfloat16", tmp_path).offload_dir == "/data/layers"
