@@ -69,13 +69,14 @@ from jgptq_torch.pipeline import (
     float_stream,
     hooks,
     importance,
+    measure,
     prescale,
     run_setup,
 )
 from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs
 from jgptq_torch.pipeline.layer_state import run_layer
-from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE, Measure
+from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of
 from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
@@ -165,7 +166,7 @@ def choose_formats(model, calib, cfg, *, tokenizer=None, device=None, devices=No
                         imatrix=imatrix, checkpoint_dir=checkpoint_dir, resume=resume, stride=stride,
                       share=share)
     if first.allocation is None:   # not taken over from a resumed run's allocation.json
-        measuring = Measure(first.layout.free, first.gains(), stride, share)
+        measuring = measure.Measure(first.layout.free, first.gains(), stride, share)
         first.run.hooks = Hooks([measuring])
         _run_pass(first.run, 0, desc="jgptq target_bpw pass")
         first.allocate(measuring.costs, measuring.gains)
