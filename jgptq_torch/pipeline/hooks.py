@@ -67,9 +67,10 @@ def _timed_move(run, i: int, move) -> None:
 
 
 class WarmUp(Hook):
-    """A pass of shapes not seen before (a layer's, or a chunk's of its routed experts): its solve programs compile
-    on a thread beside its calibration (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its
-    solve."""
+    """A pass of shapes not seen before (a layer's, or a chunk's of its routed experts): its solve programs (GGML
+    ones with their guard and decode) compile on worker threads beside its calibration
+    (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its solve, whose compiles are then found
+    done."""
 
     def __init__(self):
         self.warmed: set = set()
@@ -82,7 +83,8 @@ class WarmUp(Hook):
         if shapes <= self.warmed:
             return
         self.warmed.update(shapes)
-        self.thread = warm_solves(step.target, run.cfg, devices=run.devices, chunk=chunk)
+        self.thread = warm_solves(step.target, f"{run.prefix}.{step.index}", run.plan, run.cfg, devices=run.devices,
+                                  chunk=chunk)
 
     def before_solve(self, run, step: LayerStep) -> None:
         if self.thread is not None:
