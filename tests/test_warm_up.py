@@ -124,6 +124,21 @@ def test_warm_jobs_follow_the_plan_formats_and_skip_other_methods():
     assert solve.warm_jobs(targets[0], f"{prefix}.0", plan._replace(matrices=rtn), cfg) == []
 
 
+def test_a_later_layer_with_a_format_of_its_own_has_buckets_not_seen_before():
+    from jgptq.config import PipelineConfig
+    from jgptq_torch import models
+    from jgptq_torch.pipeline import run_setup
+
+    model = build("qwen3_moe", num_hidden_layers=3)
+    cfg = PipelineConfig.build(None, mix="q4_k_m", block_fallback="llama.cpp")   # more bits for the last down
+    prefix, layers = models.find_decoder_layers(model)
+    targets, plan = run_setup.plan_layers(prefix, layers, cfg)
+    first, second, third = (solve.solve_buckets(t, f"{prefix}.{i}", plan) for i, t in enumerate(targets))
+    assert second == first                        # nothing new: no warm-up, no compile
+    new = third - first
+    assert new and {b[4].format for b in new} == {plan.matrices[f"{prefix}.2.mlp.experts.down_proj"].format}
+
+
 def test_a_program_asked_for_by_two_threads_compiles_once():
     def f(w, h):
         return jnp.tanh(w @ h).sum(axis=-1)

@@ -30,7 +30,8 @@ from jgptq.bucket import Stack, compiled_decode, quantize_bucket
 log = logging.getLogger(__name__)
 
 ENV_WARM_UP = "JGPTQ_WARM_UP"
-WARM_WORKERS = 4     # most solve programs compiled ahead at once (each compile runs on one core)
+WARM_WORKERS = 8     # most solve programs compiled ahead at once (each compile runs on one core; at most half the
+                     # host's cores, the rest left to the calibration beside them)
 
 
 def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None) -> list:
@@ -97,18 +98,20 @@ def _jax_dtype(dtype):
     return jnp.dtype(str(dtype).replace("torch.", ""))
 
 
-def solve_shapes(target, chunk=None) -> set:
-    """The buckets a layer with targets ``target`` is solved in: (experts?, rows, columns) of its matrices, and
-    the routed experts per chunk ``chunk`` of experts buckets when they go in chunks."""
-    return {(m.layout is not None, m.rows, m.cols) + ((chunk,) if chunk and m.layout is not None else ())
-            for m in target.matrices()}
+def solve_buckets(target, base: str, plan, chunk=None) -> set:
+    """The buckets a layer with targets ``target`` (qualified name ``base``) is solved in, under the run's plan:
+    (experts?, rows, columns, routed experts per chunk or None, :class:`jgptq.bucket.MatrixPlan`) of its
+    matrices (``chunk``: the routed experts go ``chunk`` at a time). A layer whose buckets were all seen before
+    compiles nothing new; a later layer with a format of its own (a llama.cpp mix) does."""
+    return {(m.layout is not None, m.rows, m.cols, chunk if chunk and m.layout is not None else None,
+             plan.matrices[m.param_name(base)]) for m in target.matrices()}
 
 
 def warm_jobs(target, base: str, plan, cfg, chunk=None) -> list:
     """The solve programs :func:`solve_layer` will compile for a layer with targets ``target`` (qualified name
     ``base``, the run's :class:`jgptq.plan.Plan` ``plan``), as (what, compile function) pairs, known from shapes
     before the layer is calibrated: one per GPTQ bucket and Hessian layout (and, for GGML formats, the decode of
-    its payload). Largest buckets first.
+    its payload). Largest buckets first, the second guesses (below) last.
 
     Which matrices share a Hessian is known only after the calibration forward; a bucket of several linear
     modules is compiled for both cases. ``chunk``: the routed experts are solved ``chunk`` at a time.
@@ -127,7 +130,7 @@ def warm_jobs(target, base: str, plan, cfg, chunk=None) -> list:
         count = min(m.count, chunk) if chunk and m.layout is not None else m.count
         buckets.setdefault((m.layout is not None, m.rows, m.cols, mplan), []).append(
             (count, _jax_dtype(m.parameter.dtype), tie))
-    jobs = []
+    jobs, guesses = [], []
     for (expert, rows, cols, mplan), members in sorted(buckets.items(), key=lambda kv: -kv[0][1] * kv[0][2]
                                                        * sum(c for c, _, _ in kv[1])):
         n, dtype, quant = sum(c for c, _, _ in members), members[0][1], mplan.quant
@@ -138,16 +141,20 @@ def warm_jobs(target, base: str, plan, cfg, chunk=None) -> list:
             shapes = [(cols, cols)] + ([(n, cols, cols)] if len(members) > 1 else [])
         what = f"{base} {rows}x{cols} x{n} {quant.format}"
         if not quant.is_ggml:
-            jobs += [(what, functools.partial(parallel.plan_solve, weights, sds(h, jnp.float32), quant))
+            calls = [(what, functools.partial(parallel.plan_solve, weights, sds(h, jnp.float32), quant))
                      for h in shapes]
+            jobs.append(calls[0])
+            guesses += calls[1:]
             continue
         imp = None if cfg.importance == "none" else sds((n, cols), jnp.float32)
-        jobs += [(what, functools.partial(plan_guarded, weights, sds(h, jnp.float32), imp, quant)) for h in shapes]
+        calls = [(what, functools.partial(plan_guarded, weights, sds(h, jnp.float32), imp, quant)) for h in shapes]
+        jobs.append(calls[0])
+        guesses += calls[1:]
         fmt = get_format(quant.format)
         if hasattr(fmt.decode, "lower"):   # the decode of the kept bytes (jgptq.bucket.decode_payload)
             jobs.append((what, functools.partial(_warm_decode, fmt, (n, rows, cols // fmt.block_size
                                                                     * fmt.type_size))))
-    return jobs
+    return jobs + guesses
 
 
 def _warm_decode(fmt, shape: tuple, devices=None) -> None:
@@ -164,7 +171,7 @@ class Warming:
     def __init__(self, jobs: list, devices=None, workers: Optional[int] = None):
         self.jobs, self.devices, self.failed = list(jobs), devices, []
         self._lock = threading.Lock()
-        workers = min(len(self.jobs), workers or WARM_WORKERS, os.cpu_count() or 1)
+        workers = min(len(self.jobs), workers or WARM_WORKERS, max(1, (os.cpu_count() or 1) // 2))
         self.threads = [threading.Thread(target=self._work, name=f"jgptq-warm-solves-{i}", daemon=True)
                         for i in range(max(workers, 1 if self.jobs else 0))]
         for t in self.threads:
