@@ -6,6 +6,7 @@ asked for by two threads at once compiles once."""
 import copy
 import logging
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,22 @@ class Compiles:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
+def _drained_join(self):
+    """Warming.join once every job has started (a solve on a host of few cores drops those that have not)."""
+    while True:
+        with self._lock:
+            if not self.jobs:
+                break
+        time.sleep(0.01)
+    return _JOIN(self)
+
+
+_JOIN = solve.Warming.join
+
+
 def _run(float_model, opts, monkeypatch, warm: str):
     monkeypatch.setenv(solve.ENV_WARM_UP, warm)
+    monkeypatch.setattr(solve.Warming, "join", _drained_join)
     engine._compiled.clear()
     bucket._decoders.clear()
     jax.clear_caches()
@@ -137,6 +152,22 @@ def test_a_later_layer_with_a_format_of_its_own_has_buckets_not_seen_before():
     assert second == first                        # nothing new: no warm-up, no compile
     new = third - first
     assert new and {b[4].format for b in new} == {plan.matrices[f"{prefix}.2.mlp.experts.down_proj"].format}
+
+
+def test_join_drops_the_compiles_not_started_and_waits_for_the_others():
+    started, release = threading.Event(), threading.Event()
+    ran = []
+
+    def slow(devices=None):
+        started.set()
+        release.wait()
+        ran.append("slow")
+
+    warming = solve.Warming([("slow", slow), ("later", lambda devices=None: ran.append("later"))], workers=1)
+    started.wait()
+    threading.Timer(0.2, release.set).start()
+    assert warming.join() == ["later"]
+    assert ran == ["slow"]
 
 
 def test_a_program_asked_for_by_two_threads_compiles_once():

@@ -165,8 +165,8 @@ def _warm_decode(fmt, shape: tuple, devices=None) -> None:
 
 class Warming:
     """Compiles of :func:`warm_jobs` running on up to ``workers`` daemon threads (XLA compiles without holding
-    Python's lock, so independent programs compile in parallel); :meth:`join` waits for all of them. A compile
-    that fails is logged and skipped: the solve compiles what it needs and meets the error itself."""
+    Python's lock, so independent programs compile in parallel); :meth:`join` waits for those under way. A
+    compile that fails is logged and skipped: the solve compiles what it needs and meets the error itself."""
 
     def __init__(self, jobs: list, devices=None, workers: Optional[int] = None):
         self.jobs, self.devices, self.failed = list(jobs), devices, []
@@ -190,9 +190,15 @@ class Warming:
                 log.warning("compiling a solve program ahead failed (%s: %s: %s); the solve compiles it itself",
                             what, type(exc).__name__, exc)
 
-    def join(self) -> None:
+    def join(self) -> list:
+        """Waits for the compiles under way; those not started yet are dropped (the solve compiles what it needs
+        of them itself: on a host with few cores the second guesses, last in line, are not compiled for nothing).
+        Returns what was dropped."""
+        with self._lock:
+            dropped, self.jobs = [what for what, _ in self.jobs], []
         for t in self.threads:
             t.join()
+        return dropped
 
 
 def warm_solves(target, base: str, plan, cfg, *, devices=None, chunk=None,
