@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -164,6 +165,39 @@ class Solved:
         return {"method": list(self.method), "reason": list(self.reason), **out}
 
 
+_decoders: dict = {}
+_decoders_lock = threading.Lock()
+
+
+def compiled_decode(format_name: str, shape: tuple, device):
+    """The compiled decode of GGML ``format_name`` for a uint8 payload of ``shape`` (..., bytes) placed on
+    ``device``, compiled once per process (the program of :func:`jgptq.ggml.decode`, so the same bytes). Kept here
+    rather than in JAX's call cache, so that a program compiled ahead on another thread
+    (:func:`jgptq_torch.pipeline.solve.warm_solves`) is found whatever JAX keys its calls on."""
+    from jgptq.ggml import get_format
+
+    key = (format_name, tuple(shape), device)
+    with _decoders_lock:
+        hit = _decoders.get(key)
+    if hit is None:
+        struct = jax.ShapeDtypeStruct(tuple(shape), jnp.uint8, sharding=jax.sharding.SingleDeviceSharding(device))
+        hit = get_format(format_name).decode.lower(struct).compile()
+        with _decoders_lock:
+            hit = _decoders.setdefault(key, hit)
+    return hit
+
+
+def decode_payload(payload, format_name: str) -> jax.Array:
+    """float32 (..., C): the decode of uint8 ``payload`` (..., bytes) of ``format_name``, through
+    :func:`compiled_decode` when it is a jax array on one device, else :func:`jgptq.ggml.decode`."""
+    from jgptq.ggml import decode, get_format
+
+    devices = payload.devices() if isinstance(payload, jax.Array) else ()
+    if len(devices) != 1 or payload.dtype != jnp.uint8 or not hasattr(get_format(format_name).decode, "lower"):
+        return decode(payload, format_name)
+    return compiled_decode(format_name, payload.shape, next(iter(devices)))(payload)
+
+
 @functools.lru_cache(maxsize=None)
 def plain_encoder(format_name: str):
     """``fn(weight (R, C), importance (C,) or None) -> (payload uint8 (R, C // block, type_size), decoded
@@ -222,9 +256,7 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
         reasons[i] = why
     n = len(tokens)
     if ggml:  # the weight is the decode of the kept bytes, exactly as GGMLWeight.dequantize
-        from jgptq.ggml.api import decode
-
-        fields["weight"] = decode(fields["payload"].reshape(n, rows, -1), quant.format)
+        fields["weight"] = decode_payload(fields["payload"].reshape(n, rows, -1), quant.format)
         for k in ("codes", "scales", "zeros", "g_idx", "perm"):
             fields[k] = None
     for k, empty in (("loss", np.nan), ("damp_used", np.nan), ("damp_stage", -1), ("fallback", False),

@@ -37,6 +37,10 @@ OVERRIDES = (
              "where compiled programs and traced engine programs persist between runs (default: "
              "`$XDG_CACHE_HOME/jgptq/xla`, else `~/.cache/jgptq/xla`); `0` turns both caches off",
              "jgptq/xla_options.py", "when `quantize_moe` starts, and by the program store"),
+    Override("JGPTQ_WARM_UP", "`1` or `0` (or `true`/`false`, `yes`/`no`, `on`/`off`)",
+             "whether a new layer's GPTQ solve programs (GGML ones with their guard and decode) compile ahead on "
+             "worker threads beside its calibration (default: on accelerators only)",
+             "jgptq_torch/pipeline/solve.py", "when a layer of shapes not seen before is calibrated"),
     Override("JGPTQ_DEVICE_MEMORY_LIMIT", "bytes, with an optional `K`/`M`/`G`/`T` suffix (powers of 1024)",
              "the memory each device is taken to have in the expert engine's room check, as `memory_limit=` does; "
              "never more than the device has (default: what the device reports; CPU devices: unlimited)",

@@ -245,7 +245,9 @@ def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
     calib = resume_tests.CALIB[:4]
     full = jgptq.quantize_moe(ref, calib, **resume_tests.OPTS)
     engine._compiled.clear()
-    monkeypatch.setattr(solve, "_warm_on", lambda devices: True)
+    monkeypatch.setenv(solve.ENV_WARM_UP, "1")
+    from tests.test_warm_up import _drained_join      # every job compiled, whatever the host's cores
+    monkeypatch.setattr(solve.Warming, "join", _drained_join)
     seen = {}
     solve_layer = layerwise.solve_layer
 

@@ -87,14 +87,24 @@ class GPTQOrPlain:
                             weight=jnp.where(plain, decoded, res.weight)), loss_gptq, loss_plain
 
 
+def _axes(hessians, importance) -> tuple:
+    return (0, None if hessians.ndim == 2 else 0, None if importance is None or importance.ndim == 1 else 0)
+
+
+def plan_guarded(weights, hessians, importance, quant: QuantConfig, devices):
+    """The engine's plan (its programs compiled) of :func:`gptq_or_plain` for these arguments, which may be
+    ``jax.ShapeDtypeStruct`` s: weights (N, R, C), hessians (C, C) or (N, C, C) float32, importance (N, C) / (C,)
+    float32 or None."""
+    return parallel.engine.plan_map(GPTQOrPlain(quant), (weights, hessians, importance), _axes(hessians, importance),
+                                    devices=devices)
+
+
 def gptq_or_plain(weights, hessians, importance, quant: QuantConfig, name: str, devices):
     """The GGML GPTQ solve of a bucket with the plain-encode guard, over the devices: (GPTQResult with the kept
     bytes, :class:`Losses`)."""
     gptq.check_inputs(weights, hessians, importance, quant, name, batched=True)
-    h_axis = None if hessians.ndim == 2 else 0
-    i_axis = None if importance is None or importance.ndim == 1 else 0
     res, loss_gptq, loss_plain = parallel.map_experts(GPTQOrPlain(quant), (weights, hessians, importance),
-                                                      (0, h_axis, i_axis), devices=devices)
+                                                      _axes(hessians, importance), devices=devices)
     return res, Losses(np.asarray(loss_gptq), np.asarray(loss_plain))
 
 

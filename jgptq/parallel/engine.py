@@ -301,6 +301,17 @@ def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):
     return jax.tree.map(lambda *xs: cat(xs, axis=0), *pieces)
 
 
+def plan_map(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None, batch_size=None, memory_limit=None,
+             reserve=0, gather_to=None) -> Plan:
+    """The :class:`Plan` :func:`map_experts` follows for these arguments (compiling its programs); ``args`` may be
+    ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read), so the programs of a call can be compiled ahead
+    of its data."""
+    spec, num = make_spec(fn, args, in_axes)
+    devices = list(jax.devices() if devices is None else devices)
+    return plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
+                gather_bytes=functools.partial(gathered_bytes, spec, num, gather_to))
+
+
 def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None, batch_size=None,
                 memory_limit=None, reserve=0, gather_to=None, plan_: Optional[Plan] = None):
     """``jax.vmap(fn, in_axes)(*args)`` spread over devices, chunked to fit memory, same bytes on any mesh.
@@ -321,9 +332,8 @@ def map_experts(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None
     """
     spec, num = make_spec(fn, args, in_axes)
     if plan_ is None:
-        devices = list(jax.devices() if devices is None else devices)
-        plan_ = plan(spec, num, devices, batch_size=batch_size, memory_limit=memory_limit, reserve=reserve,
-                     gather_bytes=functools.partial(gathered_bytes, spec, num, gather_to))
+        plan_ = plan_map(fn, args, in_axes, devices=devices, batch_size=batch_size, memory_limit=memory_limit,
+                         reserve=reserve, gather_to=gather_to)
     elif plan_.num_experts != num:
         raise ValueError(f"the plan is for {plan_.num_experts} experts, got {num}")
     return run(spec, args, plan_, gather_to)

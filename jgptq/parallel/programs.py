@@ -66,15 +66,35 @@ def _per_device(fn, in_axes, k):
 
 _lock = threading.Lock()
 _compiled: dict = {}
+_compiling: dict = {}     # key -> Event set when the thread compiling that program is done (or failed)
 
 
 def compiled_program(spec: _Spec, mesh: Mesh, per_device: int, k: int):
-    """The compiled program for ``per_device`` experts on each device of ``mesh`` (cached per process)."""
+    """The compiled program for ``per_device`` experts on each device of ``mesh`` (cached per process).
+
+    Compiled once per process: a thread asking for a program that another thread is compiling (a warm-up on a
+    worker thread, :func:`jgptq_torch.pipeline.solve.warm_solves`) waits for that compile and takes its
+    executable; if that compile failed, the waiting thread compiles the program itself (and meets the error)."""
     key = (spec, mesh, per_device, k)
-    with _lock:
-        hit = _compiled.get(key)
-    if hit is not None:
-        return hit
+    while True:
+        with _lock:
+            hit = _compiled.get(key)
+            if hit is not None:
+                return hit
+            busy = _compiling.get(key)
+            if busy is None:
+                _compiling[key] = done = threading.Event()
+                break
+        busy.wait()
+    try:
+        return _compile(key, spec, mesh, per_device, k)
+    finally:
+        with _lock:
+            _compiling.pop(key, None)
+        done.set()
+
+
+def _compile(key, spec: _Spec, mesh: Mesh, per_device: int, k: int):
     n = mesh.devices.size
     shard, repl = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
     in_specs, structs = [], []

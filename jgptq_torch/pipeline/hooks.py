@@ -21,7 +21,7 @@ from jgptq_torch.pipeline import (
 )
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
-from jgptq_torch.pipeline.solve import solve_shapes, warm_solves
+from jgptq_torch.pipeline.solve import solve_buckets, warm_solves
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
 SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a sink writes beside the run
@@ -80,27 +80,29 @@ def _timed_move(run, i: int, move) -> None:
 
 
 class WarmUp(Hook):
-    """A pass of shapes not seen before (a layer's, or a chunk's of its routed experts): its solve programs compile
-    on a thread beside its calibration (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its
-    solve."""
+    """A pass of buckets not seen before (a layer's, or a chunk's of its routed experts; a shape or a plan, such
+    as a mix's format, not met yet): its solve programs (GGML ones with their guard and decode) compile on worker
+    threads beside its calibration (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its solve,
+    whose compiles are then found done."""
 
     def __init__(self):
         self.warmed: set = set()
-        self.thread = None
+        self.warming = None
 
     def before_calibrate(self, run, step: LayerStep) -> None:
         step.stage("compile")
         chunk = None if step.span is None else step.span[1] - step.span[0]
-        shapes = solve_shapes(step.target, chunk)
-        if shapes <= self.warmed:
+        base = f"{run.prefix}.{step.index}"
+        buckets = solve_buckets(step.target, base, run.plan, chunk)
+        if buckets <= self.warmed:
             return
-        self.warmed.update(shapes)
-        self.thread = warm_solves(step.target, run.cfg, devices=run.devices, chunk=chunk)
+        self.warmed.update(buckets)
+        self.warming = warm_solves(step.target, base, run.plan, run.cfg, devices=run.devices, chunk=chunk)
 
     def before_solve(self, run, step: LayerStep) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        if self.warming is not None:
+            self.warming.join()
+            self.warming = None
 
 
 class Sink(Hook):

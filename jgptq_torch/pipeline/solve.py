@@ -7,12 +7,14 @@ groups matrices of one shape and one plan into a bucket. Experts and linear modu
 kind has the same buckets in every layer and the compiled solves are reused from layer to layer. Every decision
 and fallback is :mod:`jgptq.bucket`'s.
 
-:func:`warm_solves` compiles a layer's solve programs ahead, on a background thread, while it calibrates.
+:func:`warm_solves` compiles a layer's solve programs ahead, on worker threads, while it calibrates.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 from typing import Optional
 
@@ -23,10 +25,14 @@ from jgptq_torch.pipeline import importance
 from jgptq_torch.dlpack import to_jax
 from jgptq import methods, parallel
 from jgptq import statistics as stats_mod
-from jgptq.bucket import Stack, quantize_bucket
+from jgptq.bucket import Stack, compiled_decode, quantize_bucket
 from jgptq.methods.awq import scaled_hessian
 
 log = logging.getLogger(__name__)
+
+ENV_WARM_UP = "JGPTQ_WARM_UP"
+WARM_WORKERS = 8     # most solve programs compiled ahead at once (each compile runs on one core; at most half the
+                     # host's cores, the rest left to the calibration beside them)
 
 
 def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None, scales=None) -> list:
@@ -96,60 +102,132 @@ def buckets(items, plan) -> list:
     return [(key, out[key]) for key in sorted(out, key=lambda k: k[:3] + (k[3].format,))]
 
 
-def _warm_on(devices) -> bool:
-    """Whether solves are compiled ahead (:func:`warm_solves`): on accelerators, where a layer's programs take
-    seconds to compile; on the CPU the calibration already has every core."""
-    return (devices or jax.devices())[0].platform != "cpu"
-
-
 def _jax_dtype(dtype):
     return jnp.dtype(str(dtype).replace("torch.", ""))
 
 
-def solve_shapes(target, chunk=None) -> set:
-    """The buckets a layer with targets ``target`` is solved in: (experts?, rows, columns) of its matrices, and
-    the routed experts per chunk ``chunk`` of experts buckets when they go in chunks."""
-    return {(m.layout is not None, m.rows, m.cols) + ((chunk,) if chunk and m.layout is not None else ())
-            for m in target.matrices()}
+def solve_buckets(target, base: str, plan, chunk=None) -> set:
+    """The buckets a layer with targets ``target`` (qualified name ``base``) is solved in, under the run's plan:
+    (experts?, rows, columns, routed experts per chunk or None, :class:`jgptq.bucket.MatrixPlan`) of its
+    matrices (``chunk``: the routed experts go ``chunk`` at a time). A layer whose buckets were all seen before
+    compiles nothing new; a later layer with a format of its own (a llama.cpp mix) does."""
+    return {(m.layout is not None, m.rows, m.cols, chunk if chunk and m.layout is not None else None,
+             plan.matrices[m.param_name(base)]) for m in target.matrices()}
 
 
-def warm_solves(target, cfg, *, devices=None, chunk=None) -> Optional[threading.Thread]:
-    """Starts compiling, on a background thread, the solve programs that :func:`solve_layer` will run for a layer
-    with targets ``target``, so that the first layer's compiles overlap its calibration (XLA compiles without
-    holding Python's lock). Returns the thread (join it before solving, so that nothing compiles twice), or None
-    when nothing is to be compiled (round-to-nearest, GGML formats).
+def warm_jobs(target, base: str, plan, cfg, chunk=None) -> list:
+    """The solve programs :func:`solve_layer` will compile for a layer with targets ``target`` (qualified name
+    ``base``, the run's :class:`jgptq.plan.Plan` ``plan``), as (what, compile function) pairs, known from shapes
+    before the layer is calibrated: one per GPTQ bucket and Hessian layout (and, for GGML formats, the decode of
+    its payload). Largest buckets first, the second guesses (below) last.
 
     Which matrices share a Hessian is known only after the calibration forward; a bucket of several linear
-    modules is compiled for both cases. A guess that misses costs background compile time, never a result.
-    ``chunk``: the routed experts are solved ``chunk`` at a time (:mod:`jgptq_torch.pipeline.expert_chunks`).
+    modules is compiled for both cases. ``chunk``: the routed experts are solved ``chunk`` at a time.
     """
-    if cfg.method != "gptq" or cfg.quant.is_ggml or not _warm_on(devices):
-        return None
+    from jgptq.ggml import get_format
+    from jgptq.methods.gptq import plan_guarded
+
     sds = jax.ShapeDtypeStruct
     buckets: dict = {}
     up_tie = "shared" if cfg.moe.calibration == "all_experts" else "own"
     for m in target.matrices():
+        mplan = plan.matrices[m.param_name(base)]
+        if mplan.method != "gptq":
+            continue
         tie = up_tie if m.kind == "expert_gate_up" else "own"
-        dtype = _jax_dtype(m.parameter.dtype)
         count = min(m.count, chunk) if chunk and m.layout is not None else m.count
-        buckets.setdefault((m.layout is not None, m.rows, m.cols), []).append((count, dtype, tie))
-    jobs = []
-    for (expert, rows, cols), members in buckets.items():
-        n, dtype = sum(c for c, _, _ in members), members[0][1]
+        buckets.setdefault((m.layout is not None, m.rows, m.cols, mplan), []).append(
+            (count, _jax_dtype(m.parameter.dtype), tie))
+    jobs, guesses = [], []
+    for (expert, rows, cols, mplan), members in sorted(buckets.items(), key=lambda kv: -kv[0][1] * kv[0][2]
+                                                       * sum(c for c, _, _ in kv[1])):
+        n, dtype, quant = sum(c for c, _, _ in members), members[0][1], mplan.quant
         weights = sds((n, rows, cols), dtype)
         if expert:
             shapes = [(cols, cols)] if members[0][2] == "shared" and len(members) == 1 else [(n, cols, cols)]
         else:
             shapes = [(cols, cols)] + ([(n, cols, cols)] if len(members) > 1 else [])
-        jobs += [(weights, sds(h, jnp.float32)) for h in shapes]
+        what = f"{base} {rows}x{cols} x{n} {quant.format}"
+        if not quant.is_ggml:
+            calls = [(what, functools.partial(parallel.plan_solve, weights, sds(h, jnp.float32), quant))
+                     for h in shapes]
+            jobs.append(calls[0])
+            guesses += calls[1:]
+            continue
+        imp = None if cfg.importance == "none" else sds((n, cols), jnp.float32)
+        calls = [(what, functools.partial(plan_guarded, weights, sds(h, jnp.float32), imp, quant)) for h in shapes]
+        jobs.append(calls[0])
+        guesses += calls[1:]
+        fmt = get_format(quant.format)
+        if hasattr(fmt.decode, "lower"):   # the decode of the kept bytes (jgptq.bucket.decode_payload)
+            jobs.append((what, functools.partial(_warm_decode, fmt, (n, rows, cols // fmt.block_size
+                                                                    * fmt.type_size))))
+    return jobs + guesses
 
-    def compile_all():
-        for weights, hessians in jobs:
+
+def _warm_decode(fmt, shape: tuple, devices=None) -> None:
+    """Compiles the decode of a uint8 payload of ``shape`` on the device the solve gathers its results to (the
+    program :func:`jgptq.bucket.decode_payload` then runs)."""
+    compiled_decode(fmt.name, shape, (devices or jax.local_devices())[0])
+
+
+class Warming:
+    """Compiles of :func:`warm_jobs` running on up to ``workers`` daemon threads (XLA compiles without holding
+    Python's lock, so independent programs compile in parallel); :meth:`join` waits for those under way. A
+    compile that fails is logged and skipped: the solve compiles what it needs and meets the error itself."""
+
+    def __init__(self, jobs: list, devices=None, workers: Optional[int] = None):
+        self.jobs, self.devices, self.failed = list(jobs), devices, []
+        self._lock = threading.Lock()
+        workers = min(len(self.jobs), workers or WARM_WORKERS, max(1, (os.cpu_count() or 1) // 2))
+        self.threads = [threading.Thread(target=self._work, name=f"jgptq-warm-solves-{i}", daemon=True)
+                        for i in range(max(workers, 1 if self.jobs else 0))]
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self.jobs:
+                    return
+                what, compile_one = self.jobs.pop(0)
             try:
-                parallel.plan_solve(weights, hessians, cfg.quant, devices=devices)
-            except Exception as exc:  # noqa: BLE001 - a warm-up only: the solve compiles what it needs
-                log.debug("warming a solve program for %s failed: %s", weights.shape, exc)
+                compile_one(devices=self.devices)
+            except Exception as exc:  # noqa: BLE001 - a warm-up only
+                self.failed.append(what)
+                log.warning("compiling a solve program ahead failed (%s: %s: %s); the solve compiles it itself",
+                            what, type(exc).__name__, exc)
 
-    thread = threading.Thread(target=compile_all, name="jgptq-warm-solves", daemon=True)
-    thread.start()
-    return thread
+    def join(self) -> list:
+        """Waits for the compiles under way; those not started yet are dropped (the solve compiles what it needs
+        of them itself: on a host with few cores the second guesses, last in line, are not compiled for nothing).
+        Returns what was dropped."""
+        with self._lock:
+            dropped, self.jobs = [what for what, _ in self.jobs], []
+        for t in self.threads:
+            t.join()
+        return dropped
+
+
+def warm_solves(target, base: str, plan, cfg, *, devices=None, chunk=None,
+                force: bool = False) -> Optional[Warming]:
+    """Starts compiling the solve programs of a layer (:func:`warm_jobs`) on worker threads, so that the first
+    layer's compiles overlap its calibration and one another. Returns the :class:`Warming` (join it before
+    solving, so that nothing compiles twice), or None when nothing is compiled ahead: a method other than GPTQ, or
+    the CPU unless ``force`` or ``JGPTQ_WARM_UP`` says otherwise (:func:`warm_wanted`).
+    """
+    if not (force or warm_wanted(devices)):
+        return None
+    jobs = warm_jobs(target, base, plan, cfg, chunk)
+    return Warming(jobs, devices) if jobs else None
+
+
+def warm_wanted(devices=None) -> bool:
+    """Whether solves are compiled ahead: ``JGPTQ_WARM_UP`` (``1``/``0``) when set, else on accelerators only,
+    where a layer's programs take seconds to compile (on the CPU the calibration already has every core)."""
+    value = os.environ.get(ENV_WARM_UP, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return (devices or jax.devices())[0].platform != "cpu"
