@@ -28,6 +28,7 @@ Activations are not checked for NaN/Inf here (the capture checks them upstream).
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -174,10 +175,10 @@ def importance() -> Statistic:
 
 @functools.lru_cache(maxsize=None)
 def _chain_program(slots: tuple):
-    def run(states, index, x, mask):
+    def group_update(states, index, x, mask):
         return tuple(f(s, index, x, mask) for f, s in zip(slots, states))
 
-    return jax.jit(run, donate_argnums=(0,), compiler_options=xla_options.gemm_options())
+    return jax.jit(group_update, donate_argnums=(0,), compiler_options=xla_options.gemm_options())
 
 
 def update_group(chain, states: list, index, x, mask, name: str = "activations") -> list:
@@ -205,11 +206,60 @@ def update_group(chain, states: list, index, x, mask, name: str = "activations")
     return list(_chain_program(tuple(s.slots for s in chain))(tuple(states), jnp.asarray(index), x, mask))
 
 
-_COMPILED: set = set()   # group programs already compiled by compile_groups: (slots, state avals, G, P, x, mask)
+_COMPILED: dict = {}     # group program key -> Event, set once compiled (or left to the caller's own first call)
+_LOCK = threading.Lock()
 
 
 def _aval(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+
+
+def _group_key(slots: tuple, state_avals, x, mask, g: int, p: int) -> tuple:
+    return (slots, str(state_avals), x.shape[-1], str(x.dtype), str(mask.dtype), str(_aval(x).sharding), g, p)
+
+
+def _claim(key) -> tuple:
+    """(the key's Event, whether the caller is the one to compile it)."""
+    with _LOCK:
+        event = _COMPILED.get(key)
+        if event is not None:
+            return event, False
+        event = _COMPILED[key] = threading.Event()
+        return event, True
+
+
+def _compile_claimed(key, event, program, state_avals, g: int, p: int, x, mask) -> None:
+    """Compiles the claimed group program of ``key``; a failure gives the key back (its first call compiles it and
+    meets the error itself) before raising."""
+    try:
+        program.lower(state_avals, jax.ShapeDtypeStruct((g,), jnp.int32),
+                      jax.ShapeDtypeStruct((g, p, x.shape[-1]), x.dtype, sharding=_aval(x).sharding),
+                      jax.ShapeDtypeStruct((g, p), mask.dtype, sharding=_aval(mask).sharding)).compile()
+    except BaseException:
+        with _LOCK:
+            _COMPILED.pop(key, None)
+        raise
+    finally:
+        event.set()
+
+
+def compile_group(chain, state_avals, g: int, p: int, x, mask) -> bool:
+    """Compiles ahead the program :func:`update_group` runs for a group of ``g`` slots of ``p`` rows, from
+    shapes only: ``state_avals``, the chain's stacked states as ``jax.ShapeDtypeStruct`` (with the shardings the
+    states will have), ``x`` and ``mask`` avals of any leading shape giving the columns C, dtypes and shardings
+    of the group's (g, p, C) rows and (g, p) mask. For a warm-up on a worker thread: a program compiled or being
+    compiled (here or by :func:`compile_groups`) is not compiled again, and :func:`compile_groups` waits for one
+    under way. Returns whether this call compiled it (False: claimed before, or no one-program form)."""
+    chain = list(chain)
+    if not chain or any(s.slots is None for s in chain):
+        return False
+    slots = tuple(s.slots for s in chain)
+    state_avals = tuple(state_avals)
+    key = _group_key(slots, state_avals, x, mask, g, p)
+    event, mine = _claim(key)
+    if mine:
+        _compile_claimed(key, event, _chain_program(slots), state_avals, g, p, x, mask)
+    return mine
 
 
 def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] = None) -> int:
@@ -217,10 +267,12 @@ def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] 
     each ``(G, P)`` in ``shapes`` (G slots of P rows, the columns and dtypes of ``x`` and ``mask``), so that a
     forward meeting several new group shapes waits for about the slowest compile instead of their sum (a MoE
     layer's first forwards meet a few dozen; XLA compiles each on one core). The jitted program then finds them
-    compiled: the results are those of compiling on first use.
+    compiled: the results are those of compiling on first use. Programs another thread is compiling
+    (:func:`compile_group`, a warm-up) are waited for, not compiled again.
 
     ``states`` are the chain's (initialized) states; nothing is run or donated. Returns the number compiled (0
-    where the chain has no one-program form, or fewer than two shapes are new).
+    where the chain has no one-program form, or fewer than two shapes are new: a lone new one is left to its
+    first call).
     """
     import concurrent.futures
     import os
@@ -230,25 +282,28 @@ def compile_groups(chain, states: list, shapes, x, mask, workers: Optional[int] 
         return 0
     slots = tuple(s.slots for s in chain)
     state_avals = jax.tree.map(_aval, tuple(states))
-    base = (slots, str(state_avals), x.shape[-1], str(x.dtype), str(mask.dtype), str(_aval(x).sharding))
-    todo = [(g, p) for g, p in dict.fromkeys(shapes) if base + (g, p) not in _COMPILED]
-    if len(todo) < 2:
-        return 0
-    program = _chain_program(slots)
-    sharding_x, sharding_m = _aval(x).sharding, _aval(mask).sharding
+    keys = {gp: _group_key(slots, state_avals, x, mask, *gp) for gp in dict.fromkeys(shapes)}
+    with _LOCK:
+        new = [gp for gp, key in keys.items() if key not in _COMPILED]
+        under_way = [_COMPILED[key] for key in keys.values() if key in _COMPILED]
+        for gp in new:
+            _COMPILED[keys[gp]] = threading.Event()
+        if len(new) < 2:   # left to the first call, right after this one; no one else compiles it
+            for gp in new:
+                _COMPILED[keys[gp]].set()
+    if len(new) >= 2:
+        program = _chain_program(slots)
 
-    def compile_one(gp):
-        g, p = gp
-        program.lower(state_avals, jax.ShapeDtypeStruct((g,), jnp.int32),
-                      jax.ShapeDtypeStruct((g, p, x.shape[-1]), x.dtype, sharding=sharding_x),
-                      jax.ShapeDtypeStruct((g, p), mask.dtype, sharding=sharding_m)).compile()
-        return gp
+        def compile_one(gp):
+            key = keys[gp]
+            _compile_claimed(key, _COMPILED[key], program, state_avals, *gp, x, mask)
 
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jgptq-compile") as pool:
-        for gp in pool.map(compile_one, todo):
-            _COMPILED.add(base + gp)
-    return len(todo)
+        workers = workers or max(1, min(len(new), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jgptq-compile") as pool:
+            list(pool.map(compile_one, new))
+    for event in under_way:
+        event.wait()
+    return len(new) if len(new) >= 2 else 0
 
 
 # -- error feedback's cross statistic -----------------------------------------------------------------------------

@@ -13,15 +13,18 @@ import time
 import warnings
 
 from jgptq.surface import option
+from jgptq import statistics as stats_mod
 from jgptq_torch.pipeline import (
     expert_chunks,
     float_stream,
     importance,
+    routed_groups,
+    warm_groups,
     weight_checks,
 )
 from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.pipeline import resume as resume_mod
-from jgptq_torch.pipeline.solve import solve_buckets, warm_solves
+from jgptq_torch.pipeline.solve import Warming, solve_buckets, warm_solves, warm_wanted
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
 SINK_SWITCH_INTERVAL = 5e-4   # seconds: Python's thread switch interval while a sink writes beside the run
@@ -83,14 +86,24 @@ class WarmUp(Hook):
     """A pass of buckets not seen before (a layer's, or a chunk's of its routed experts; a shape or a plan, such
     as a mix's format, not met yet): its solve programs (GGML ones with their guard and decode) compile on worker
     threads beside its calibration (:func:`jgptq_torch.pipeline.solve.warm_solves`), joined before its solve,
-    whose compiles are then found done."""
+    whose compiles are then found done.
+
+    On an accelerator, a pass whose routed experts' group programs were not listed before also starts their
+    compiles (:mod:`jgptq_torch.pipeline.warm_groups`, at most
+    :data:`jgptq_torch.pipeline.warm_groups.MAX_GROUP_PROGRAMS` a run): they run on beside the calibration and
+    the solve and the next layers (whose calibration waits for a program under way and compiles one not started
+    itself), and stop when the run ends."""
 
     def __init__(self):
         self.warmed: set = set()
         self.warming = None
+        self.grouped: set = set()
+        self.group_warmings: list = []
+        self.group_left = warm_groups.MAX_GROUP_PROGRAMS
 
     def before_calibrate(self, run, step: LayerStep) -> None:
         step.stage("compile")
+        self._warm_groups(run, step)
         chunk = None if step.span is None else step.span[1] - step.span[0]
         base = f"{run.prefix}.{step.index}"
         buckets = solve_buckets(step.target, base, run.plan, chunk)
@@ -99,10 +112,31 @@ class WarmUp(Hook):
         self.warmed.update(buckets)
         self.warming = warm_solves(step.target, base, run.plan, run.cfg, devices=run.devices, chunk=chunk)
 
+    def _warm_groups(self, run, step: LayerStep) -> None:
+        if self.group_left <= 0 or not routed_groups.accelerator(run.device) or not warm_wanted(run.devices):
+            return
+        chain = stats_mod.of_config(run.cfg)
+        dtype = step.hidden[0].dtype if step.hidden else None
+        keys = warm_groups.group_keys(step.target, step.span, chain, dtype)
+        if dtype is None or keys <= self.grouped:
+            return
+        self.grouped.update(keys)
+        jobs = warm_groups.group_jobs(step.target, step.span, chain, dtype, run.device,
+                                      warm_groups.tokens_per_forward(step.hidden),
+                                      warm_groups.top_k_of(run.result.model), limit=self.group_left)
+        if jobs:
+            self.group_left -= len(jobs)
+            self.group_warmings.append(Warming(jobs, run.devices, workers=warm_groups.WORKERS))
+
     def before_solve(self, run, step: LayerStep) -> None:
         if self.warming is not None:
             self.warming.join()
             self.warming = None
+
+    def close(self, run, error) -> None:
+        for warming in self.group_warmings:
+            warming.join()
+        self.group_warmings = []
 
 
 class Sink(Hook):

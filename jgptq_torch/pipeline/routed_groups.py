@@ -56,6 +56,43 @@ def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool) -> list
     return groups
 
 
+def layout_shapes(experts: int, kept: int, bytes_per_row: int, tokens: int, routed_rows: int = None) -> list:
+    """Every (slots g, rows per slot p) the accelerator layout of :func:`group_layout` can give for a forward of
+    an experts module of ``experts`` experts, ``kept`` of them kept (a chunk's; the others' counts 0), rows of
+    ``bytes_per_row`` bytes, at most ``tokens`` rows per expert (an expert sees a token once) and ``routed_rows``
+    rows in all (tokens x top_k; None: not known, not used to bound), most likely first.
+
+    The likeliest rows per slot are those nearest the mean rows per kept expert (``routed_rows / experts``); a
+    level's members number at most ``routed_rows // (p / 2 + 1)`` (each holds more than p / 2 rows, p > 64). At
+    the likeliest level the larger groups come first (most experts are there), elsewhere the smaller ones.
+    Returns:
+      [(g, p)] ints, each once.
+    """
+    if kept < 1 or tokens < 1:
+        return []
+    cap = 1 << (experts - 1).bit_length()
+    top = padded_rows(min(tokens, MAX_ROWS))
+    mean = padded_rows(max(1, (routed_rows or tokens) // experts))
+    levels = []
+    p = 64
+    while p <= top:
+        members = kept if routed_rows is None else min(kept, routed_rows // (p // 2 + 1) if p > 64 else routed_rows)
+        if members:
+            most = max(1, GROUP_BYTES // (p * bytes_per_row))
+            most = min(cap, 1 << (most.bit_length() - 1))
+            least = max(1, most // 8)
+            sizes = sorted({min(most, max(least, 1 << (m - 1).bit_length()))
+                            for m in _chunk_sizes(members, most)}, reverse=p == mean)
+            levels.append((abs(p.bit_length() - mean.bit_length()), p, sizes))
+        p *= 2
+    return [(g, p) for _, p, sizes in sorted(levels) for g in sizes]
+
+
+def _chunk_sizes(members: int, most: int) -> range:
+    """The members a level's group can hold (its last group fewer than ``most``), up to ``members``."""
+    return range(1, min(members, most) + 1)
+
+
 def add_grouped(chain: list, states: list, rows, counts: list, keep, kept: tuple, name: str, weights=None):
     """The ``states`` of the statistics of ``chain`` ([(name, Statistic)]; a state None: not fed yet) after
     adding the routed ``rows``; None when no kept expert has a row (nothing added).
