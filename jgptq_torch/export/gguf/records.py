@@ -119,9 +119,19 @@ def _stack(param: str, full: tuple, places: list, keys: list, weights: dict) -> 
     return GGMLWeight(payload, first.format, method=methods.pop() if len(methods) == 1 else "mixed")
 
 
+def format_weights(rec) -> tuple:
+    """(GGML format, weights) of a record (:class:`GGMLWeight`)."""
+    return rec.format, int(np.prod(rec.shape))
+
+
+def count_formats(pairs) -> Counter:
+    """Weights per GGML format of (format, weights) ``pairs`` (:func:`format_weights`), counted in their order."""
+    formats = Counter()
+    for fmt, weights in pairs:
+        formats[fmt] += weights
+    return formats
+
+
 def record_formats(records) -> Counter:
     """Weights per GGML format of ``records`` (:class:`GGMLWeight`)."""
-    formats = Counter()
-    for rec in records:
-        formats[rec.format] += int(np.prod(rec.shape))
-    return formats
+    return count_formats(map(format_weights, records))

@@ -21,15 +21,14 @@ from jgptq.surface import option
 
 import re
 import threading
-
-import numpy as np
 from collections import Counter
 from pathlib import Path
 
 from jgptq_torch.export.gguf.edges import edge_choices, encode_edges, report_edges
 from jgptq_torch.export.checkpoint import check_format
 from jgptq_torch.export.gguf.export import GGUFFile, output_path
-from jgptq_torch.export.gguf.records import check_ggml, param_record, record_formats, row_places
+from jgptq_torch.export.gguf.records import (check_ggml, count_formats, format_weights, param_record,
+                                             record_formats, row_places)
 from jgptq_torch.write_errors import writing
 from jgptq.export.gguf import GGUFStream
 
@@ -119,7 +118,7 @@ class GGUFSink:
         check_ggml(records)
         with self._cond:
             self._weights.update(records)
-            self._sizes.update((k, (rec.format, int(np.prod(rec.shape)))) for k, rec in records.items())
+            self._sizes.update((k, format_weights(rec)) for k, rec in records.items())
             self._cond.notify_all()
 
     def finish(self, result) -> Path:
@@ -132,10 +131,7 @@ class GGUFSink:
         if missing:
             self.abort()
             raise ValueError(f"the run's records {missing[:4]} never reached the GGUF file")
-        formats = Counter()      # weights per format, counted in the order export_gguf counts them
-        for keys in self._keys.values():
-            for k in keys:
-                formats[sizes[k][0]] += sizes[k][1]
+        formats = count_formats(sizes[k] for keys in self._keys.values() for k in keys)   # export_gguf's order
         choices = ({} if self._float_embeddings else
                    edge_choices(result, file.plan, file.state, self._keys, formats))
         edges = {}
