@@ -148,18 +148,16 @@ def warm_jobs(target, base: str, plan, cfg, chunk=None) -> list:
         else:
             shapes = [(cols, cols)] + ([(n, cols, cols)] if len(members) > 1 else [])
         what = f"{base} {rows}x{cols} x{n} {quant.format}"
-        if not quant.is_ggml:
-            calls = [(what, functools.partial(parallel.plan_solve, weights, sds(h, jnp.float32), quant))
-                     for h in shapes]
-            jobs.append(calls[0])
-            guesses += calls[1:]
-            continue
-        imp = None if cfg.importance == "none" else sds((n, cols), jnp.float32)
-        calls = [(what, functools.partial(plan_guarded, weights, sds(h, jnp.float32), imp, quant)) for h in shapes]
+        if quant.is_ggml:   # the guarded solve, with the importance of its encoder
+            imp = None if cfg.importance == "none" else sds((n, cols), jnp.float32)
+            solve = functools.partial(plan_guarded, importance=imp, quant=quant)
+        else:
+            solve = functools.partial(parallel.plan_solve, config=quant)
+        calls = [(what, functools.partial(solve, weights, sds(h, jnp.float32))) for h in shapes]
         jobs.append(calls[0])
         guesses += calls[1:]
-        fmt = get_format(quant.format)
-        if hasattr(fmt.decode, "lower"):   # the decode of the kept bytes (jgptq.bucket.decode_payload)
+        fmt = get_format(quant.format) if quant.is_ggml else None
+        if fmt is not None and hasattr(fmt.decode, "lower"):   # the decode of the kept bytes (bucket.decode_payload)
             jobs.append((what, functools.partial(_warm_decode, fmt, (n, rows, cols // fmt.block_size
                                                                     * fmt.type_size))))
     return jobs + guesses
