@@ -2,21 +2,28 @@
 loading the whole model first (``--load all``); runs that need the whole model say so or are refused."""
 
 import gguf
+import pytest
 
 from jgptq_torch.cli.main import main
 from jgptq_torch.pipeline import layerwise
 from tests.cli.test_cli import model_dir, quantize_args, tree  # noqa: F401 - model_dir is a fixture
 
 
-def test_streamed_and_loaded_runs_write_the_same_folder(model_dir, tmp_path, monkeypatch):  # noqa: F811
-    sources = []
+@pytest.fixture
+def sources(monkeypatch):
+    """Whether each quantize_moe call of the test streamed (got a ``source``), in order."""
+    streamed = []
     original = layerwise.quantize_moe
 
     def recording(*args, source=None, **kwargs):
-        sources.append(source is not None)
+        streamed.append(source is not None)
         return original(*args, source=source, **kwargs)
 
     monkeypatch.setattr(layerwise, "quantize_moe", recording)
+    return streamed
+
+
+def test_streamed_and_loaded_runs_write_the_same_folder(model_dir, tmp_path, sources):  # noqa: F811
     extra = ("--method", "rtn", "--export", "gptq")
     assert main([str(a) for a in quantize_args(model_dir, tmp_path / "s", *extra)]) == 0
     assert main([str(a) for a in quantize_args(model_dir, tmp_path / "a", *extra, "--load", "all")]) == 0
@@ -24,16 +31,8 @@ def test_streamed_and_loaded_runs_write_the_same_folder(model_dir, tmp_path, mon
     assert tree(tmp_path / "s") == tree(tmp_path / "a")
 
 
-def test_a_gguf_export_streams_and_writes_the_loaded_runs_file(model_dir, tmp_path, monkeypatch,  # noqa: F811
+def test_a_gguf_export_streams_and_writes_the_loaded_runs_file(model_dir, tmp_path, sources,  # noqa: F811
                                                                capsys):
-    sources = []
-    original = layerwise.quantize_moe
-
-    def recording(*args, source=None, **kwargs):
-        sources.append(source is not None)
-        return original(*args, source=source, **kwargs)
-
-    monkeypatch.setattr(layerwise, "quantize_moe", recording)
     extra = ("--export", "gguf", "--format", "q8_0")
     assert main([str(a) for a in quantize_args(model_dir, tmp_path / "s.gguf", *extra)]) == 0
     assert "needs the whole model" not in capsys.readouterr().err

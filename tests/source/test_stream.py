@@ -99,21 +99,31 @@ def test_host_memory_holds_a_layer_not_the_model(tmp_path):
     """A 12-layer folder and a 1-layer folder of the same width stream with the same most bytes of tensors
     materialized at once (counted after every read from the checkpoint, the export's reads of the embedding and
     head included): one decoder layer plus what lives outside the layers, far under the 12-layer model."""
-    peaks = {}
+    for result in assert_streams_one_layer(tmp_path, lambda layers: f"out{layers}",
+                                           **dict(OPTS, bits=4, scale_dtype="float32", method="rtn")):
+        assert result.report.memory["peak_host_parameters"] <= result.report.memory["streamed"]["peak_parameters"]
+
+
+def assert_streams_one_layer(tmp_path, out, **options) -> list:
+    """Streams a 1-layer and a 12-layer Qwen3-MoE folder of the same width through quantize_folder (output
+    ``tmp_path / out(layers)``, ``options`` passed on) and asserts that both peak at the same most bytes of tensors
+    materialized at once: one decoder layer plus what lives outside the layers, far under the 12-layer model, with
+    every tensor read. Returns the two results."""
+    peaks, results = {}, []
     for layers in (1, 12):
         folder = saved(tmp_path / str(layers), "qwen3_moe", layers=layers, shard="1MB")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-        result = quantize_folder(folder, CALIB, tmp_path / f"out{layers}", device="cpu",
-                                 **dict(OPTS, bits=4, scale_dtype="float32", method="rtn"))
+        result = quantize_folder(folder, CALIB, tmp_path / out(layers), device="cpu", **options)
         streamed = result.report.memory["streamed"]
         peaks[layers] = streamed["peak_parameters"]
         assert streamed["bytes_read"] >= whole            # every layer read once, the embedding twice
-        assert result.report.memory["peak_host_parameters"] <= peaks[layers]
+        results.append(result)
     assert peaks[12] == peaks[1]
     assert peaks[12] < layer + (whole - 12 * layer) + 4096     # one layer, embeddings/norm/head, rotary buffers
     assert peaks[12] < whole / 6
+    return results
 
 
 def test_nan_in_a_streamed_layer_is_named_when_the_layer_is_read(tmp_path):

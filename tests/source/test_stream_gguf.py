@@ -13,7 +13,7 @@ from jgptq_torch.export.gguf.stream import GGUFSink
 from jgptq_torch.pipeline import resume
 from jgptq_torch.source.stream import StreamedLayers, quantize_folder
 from tests.cli.test_resume import Stop, stop_after
-from tests.source.test_stream import CALIB, saved
+from tests.source.test_stream import CALIB, assert_streams_one_layer, saved
 
 OPTS = dict(batch_size=4, progress=False)
 
@@ -98,17 +98,5 @@ def test_a_streamed_gguf_run_holds_a_layer_not_the_model(tmp_path):
     """A 12-layer and a 1-layer folder of the same width write their GGUF files with the same most bytes of
     tensors materialized at once: one decoder layer plus what lives outside the layers (read at the end for the
     embedding and head), far under the 12-layer model."""
-    peaks = {}
-    for layers in (1, 12):
-        folder = saved(tmp_path / str(layers), "qwen3_moe", layers=layers, shard="1MB")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        whole = sum(p.numel() * p.element_size() for p in model.parameters())
-        layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-        result = quantize_folder(folder, CALIB, tmp_path / f"out{layers}.gguf", export="gguf", device="cpu",
-                                 dtype=torch.float32, format="q8_0", method="rtn", **OPTS)
-        streamed = result.report.memory["streamed"]
-        peaks[layers] = streamed["peak_parameters"]
-        assert streamed["bytes_read"] >= whole
-    assert peaks[12] == peaks[1]
-    assert peaks[12] < layer + (whole - 12 * layer) + 4096     # one layer, embeddings/norm/head, rotary buffers
-    assert peaks[12] < whole / 6
+    assert_streams_one_layer(tmp_path, lambda layers: f"out{layers}.gguf", export="gguf", dtype=torch.float32,
+                             format="q8_0", method="rtn", **OPTS)
