@@ -1,8 +1,9 @@
 """Where a MoE layer's calibration time goes: the pipeline's calibrate stage split into timed sections.
 
 The model is moe_model's Qwen3-30B-A3B shape at a reduced depth (``--layers``, default 3) with the same
-calibration (128 x 2048 random tokens, batches of 16, bf16 Hessian operands). ``jgptq.quantize_moe`` runs twice
-on it:
+calibration (128 x 2048 random tokens, batches of 16, bf16 Hessian operands), or with ``--shape qwen3_235b`` a
+Qwen3-235B-A22B layer with stream_model's calibration (64 x 2048 tokens, batches of 8). ``jgptq.quantize_moe`` runs
+twice on it:
 
 1. sections: the functions of the calibrate stage are wrapped with timers that synchronize torch and JAX at both
    ends, so that each section owns the device work it launched. Sections nest; the JSON gives each one's
@@ -35,6 +36,8 @@ from benchmarks import common
 from benchmarks.moe_model import FULL, SMALL, build_model
 
 DOC = __doc__.splitlines()[0]
+SHAPES = {"qwen3_30b": FULL,
+          "qwen3_235b": dict(FULL, hidden=4096, heads=64, kv_heads=4, width=1536, sequences=64, batch=8)}
 
 
 class Sections:
@@ -159,6 +162,10 @@ def _sections(model, calib, quant, s, device, mode, sync, layers):
 def main(argv=None):
     p = common.parser("calibrate_profile", DOC)
     p.add_argument("--layers", type=int, default=3, help="decoder layers (default 3)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_30b",
+                   help="qwen3_30b: moe_model's shape (128 x 2048 tokens in batches of 16); qwen3_235b: the "
+                        "Qwen3-235B-A22B layer of stream_model (hidden 4096, 64/4 heads, 128 experts of width 1536, "
+                        "64 x 2048 tokens in batches of 8) (default: qwen3_30b)")
     p.add_argument("--offload", default="none",
                    help="offload modes, comma-separated (e.g. none,cpu): the sections are timed with the first, a "
                         "host profile is taken with each (default: none)")
@@ -169,7 +176,7 @@ def main(argv=None):
 
     from jgptq import QuantConfig
 
-    s = dict(SMALL if args.small else FULL)
+    s = dict(SMALL if args.small else SHAPES[args.shape])
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = build_model(s, args.layers, device)
@@ -182,7 +189,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         (jax.numpy.zeros(()) + 0).block_until_ready()
 
-    out = {"benchmark": "calibrate_profile", "description": __doc__, "small": bool(args.small), "shape": s,
+    out = {"benchmark": "calibrate_profile", "description": __doc__, "small": bool(args.small), "shape_name": args.shape, "shape": s,
            "layers": args.layers, "device": device, "machine": common.machine()}
 
     # 1. synchronized sections, with the first offload mode
