@@ -75,6 +75,9 @@ class Stack(NamedTuple):
       statistics: the finalized results of other statistics a method declares (:mod:`jgptq.statistics`), by
         name, each (C, C) shared like the Hessian (same ``hessian_key``) or (n, C, C); a name missing or None:
         never collected for these matrices (e.g. ``"error_cross"`` where the run's inputs are the float model's).
+      input_scale: float32 (C,) the matrices' inputs were divided by (a pre-scaling method's, its columns folded
+        into ``weight`` already), or None: the solve uses ``diag(s)^-1 H diag(s)^-1``
+        (:func:`jgptq.methods.awq.scaled_hessian`), the Hessian of the scaled inputs.
     """
 
     name: str
@@ -84,6 +87,17 @@ class Stack(NamedTuple):
     hessian_key: str = ""
     importance: Optional[object] = None
     statistics: Optional[dict] = None
+    input_scale: Optional[object] = None
+
+
+def _inputs_scaled(stack: Stack) -> Stack:
+    """``stack`` with its Hessian that of the inputs divided by ``input_scale`` (none left to apply)."""
+    if stack.input_scale is None:
+        return stack
+    from jgptq.methods.awq import scaled_hessian
+
+    h = None if stack.hessian is None else scaled_hessian(stack.hessian, stack.input_scale)
+    return stack._replace(hessian=h, input_scale=None)
 
 
 _FIGURES = ("loss", "damp_used", "damp_stage", "fallback", "dead_columns")
@@ -234,6 +248,7 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     """
     from jgptq import methods
 
+    stacks = [_inputs_scaled(s) for s in stacks]
     shapes = {tuple(s.weight.shape[1:]) for s in stacks}
     if len(shapes) != 1:
         raise ValueError(f"quantize_bucket: stacks of different shapes {sorted(shapes)} "

@@ -147,3 +147,22 @@ def test_methods_solve_scaled_stacks():
     assert out_err(got["awq"].weight) < out_err(got["awq_rtn"].weight) <= choice.errors[0] * (1 + 1e-4)
     with pytest.raises(ValueError, match="integer grids"):
         awq.priced_errors([(ws, hs)], choice.scale[None], QuantConfig(format="q4_k"))
+
+
+def test_stack_input_scale_is_the_scaled_hessian():
+    """A stack with ``input_scale`` s solves as one whose Hessian is diag(s)^-1 H diag(s)^-1 (h / s s^T in
+    float64): the same bytes and loss; without a Hessian the scale changes nothing."""
+    _, h, w1, _, _ = _group(5)
+    s = np.exp(np.random.default_rng(5).standard_normal(h.shape[0]) * 0.5).astype(np.float32)
+    ws = jnp.asarray((w1 * s)[None], jnp.float32)
+    cfg = MatrixPlan("gptq", QuantConfig(bits=3, group_size=16, scale_dtype="float32"))
+    scaled = jnp.asarray(h / np.outer(s.astype(np.float64), s), jnp.float32)
+    want = quantize_bucket([Stack("w", ws, scaled, [512], "h")], cfg)[0]
+    got = quantize_bucket([Stack("w", ws, jnp.asarray(h, jnp.float32), [512], "h", input_scale=s)], cfg)[0]
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+    np.testing.assert_allclose(np.asarray(got.loss), np.asarray(want.loss), rtol=1e-5)
+    plain = quantize_bucket([Stack("w", ws, jnp.asarray(h, jnp.float32), [512], "h")], cfg)[0]
+    assert not np.array_equal(np.asarray(plain.codes), np.asarray(want.codes))
+    none = quantize_bucket([Stack("w", ws, None, [0], "h", input_scale=s)], MatrixPlan("rtn", cfg.quant))[0]
+    np.testing.assert_array_equal(np.asarray(none.codes), np.asarray(
+        quantize_bucket([Stack("w", ws, None, [0], "h")], MatrixPlan("rtn", cfg.quant))[0].codes))

@@ -26,21 +26,16 @@ from __future__ import annotations
 import time
 
 from jgptq import statistics
-from jgptq.methods import registry
 from jgptq_torch.pipeline import capture, importance
 from jgptq_torch.pipeline.calibrate import Partner, calibrate
 from jgptq_torch.pipeline.step import Hook, LayerStep
 
 
-def pairs(cfg) -> bool:
-    """Whether the run's method reads the error-feedback statistic (its inputs paired with the float stream's)."""
-    return statistics.ERROR_CROSS in registry.get(cfg.method).statistics
-
-
-def enabled(cfg, given) -> bool:
+def enabled(cfg, given, stats: dict) -> bool:
     """Whether a run carries the float stream: ``cfg.imatrix_source`` is ``"float"`` and no imatrix was given
-    (a given one replaces the collected statistic), or the method pairs its inputs with the stream's."""
-    return (cfg.imatrix_source == "float" and given is None) or pairs(cfg)
+    (a given one replaces the collected statistic), or the run's statistics ``stats``
+    (:func:`jgptq.statistics.of_config`) hold the error-feedback one (inputs paired with the stream's)."""
+    return (cfg.imatrix_source == "float" and given is None) or statistics.ERROR_CROSS in stats
 
 
 class FloatStream(Hook):
@@ -49,11 +44,17 @@ class FloatStream(Hook):
     collected on it. A layer in chunks of routed experts is seen on its first pass: the float pass covers every
     expert; with pairs, every pass runs the float layer beside the run's (its chunk's experts are paired)."""
 
-    def __init__(self, cfg=None, given=None):
+    def __init__(self, cfg=None, given=None, stats: dict = None):
         self.shared = False
         self.float_inputs = None   # the current layer's float inputs (the stream moves on after its first pass)
         self.importance = cfg is None or (cfg.imatrix_source == "float" and given is None)
-        self.pairs = cfg is not None and pairs(cfg)
+        self.pairs = bool(stats) and statistics.ERROR_CROSS in stats
+
+    @classmethod
+    def of(cls, run):
+        """The hook of ``run`` (a :class:`jgptq_torch.pipeline.run_setup.Run`), or None when it carries no float
+        stream (:func:`enabled`)."""
+        return cls(run.cfg, run.given, run.stats) if enabled(run.cfg, run.given, run.stats) else None
 
     def _stats(self, step: LayerStep) -> dict:
         use = self.importance and step.first

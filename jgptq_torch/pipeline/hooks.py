@@ -115,7 +115,7 @@ class WarmUp(Hook):
     def _warm_groups(self, run, step: LayerStep) -> None:
         if self.group_left <= 0 or not routed_groups.accelerator(run.device) or not warm_wanted(run.devices):
             return
-        chain = stats_mod.of_config(run.cfg)
+        chain = run.stats
         dtype = step.hidden[0].dtype if step.hidden else None
         keys = warm_groups.group_keys(step.target, step.span, chain, dtype)
         if dtype is None or keys <= self.grouped:
@@ -207,7 +207,7 @@ class Resume(Hook):
         if not first:
             return hidden
         hidden = self.ckpt.load_hidden(first, run.device)
-        if float_stream.enabled(run.cfg, run.given):
+        if float_stream.enabled(run.cfg, run.given, run.stats):
             run.float_hidden = self.ckpt.load_hidden(first, run.device, stream="float")
         return hidden
 

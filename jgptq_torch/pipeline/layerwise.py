@@ -140,7 +140,7 @@ def quantize_moe(torch_model, calib, config=None, *, tokenizer=None, device=None
     # in this order: the sink starts with the restored records; the offload's budget check counts the float
     # stream's inputs; a layer is put back before its state is saved (after_layer unwinds)
     run.hooks = Hooks([saved, None if sink is None else hooks.Sink(sink, checkpointed=saved is not None),
-                       float_stream.FloatStream(cfg, imatrix) if float_stream.enabled(cfg, imatrix) else None,
+                       float_stream.FloatStream.of(run),
                        prescale.Fold.of(run), hooks.WarmUp(), hooks.Offload()])
     _run_pass(run, 0 if saved is None else saved.done)
     for w in run.report.warnings:
@@ -170,7 +170,7 @@ def choose_formats(model, calib, cfg, *, tokenizer=None, device=None, devices=No
         first.run.hooks = Hooks([measuring])
         _run_pass(first.run, 0, desc="jgptq target_bpw pass")
         first.allocate(measuring.costs, measuring.gains)
-    return cfg.build(cfg, assignment=assignment_of(first.allocation)), first.allocation
+    return dataclasses.replace(cfg, assignment=assignment_of(first.allocation)), first.allocation
 
 
 def _run_pass(run: Run, start: int, desc: str = "jgptq layers") -> None:
@@ -248,7 +248,7 @@ def _calibrate(run: Run, step: LayerStep) -> None:
     i, target, cfg = step.index, step.target, run.cfg
     t0 = time.perf_counter()
     chunk = "" if step.span is None else f" experts {step.span[0]}-{step.span[1] - 1}"
-    step.collector, step.outputs = calibrate(step.layer, i, target, statistics.of_config(cfg), step.hidden,
+    step.collector, step.outputs = calibrate(step.layer, i, target, run.stats, step.hidden,
                                              step.layer_inputs, run.batch_list, span=step.span,
                                              keep_outputs=step.keep_outputs, desc=f"layer {i} calibrate{chunk}",
                                              progress=cfg.progress, partner=step.partner)

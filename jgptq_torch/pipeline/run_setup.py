@@ -20,6 +20,7 @@ from jgptq_torch.pipeline import offload as offload_mod
 from jgptq_torch.report import QuantizeResult, Report
 from jgptq_torch.pipeline.stores import Stores
 from jgptq import plan as plan_mod
+from jgptq import statistics
 from jgptq.config import PipelineConfig
 
 
@@ -39,6 +40,8 @@ class Run:
     device: object
     devices: object = None
     given: dict = None
+    stats: dict = None           # what calibration collects: the statistics chain of cfg
+                                 # (jgptq.statistics.of_config), resolved once for the run
     float_hidden: list = None    # the float model's stream (imatrix_source="float"): layer i's inputs when all
                                  # earlier layers are float, one tensor per batch; None without that stream
     stores: Stores = dataclasses.field(default_factory=Stores)
@@ -53,6 +56,7 @@ class Run:
 def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None) -> Run:
     """Every check and decision that comes before any work: targets, the plan, names, calibration, budget
     (``source``: the :class:`jgptq_torch.source.stream.StreamedLayers` of a streamed model, or None)."""
+    stats = statistics.of_config(cfg)     # an option the pipeline cannot collect for raises here, before any work
     prefix, layers = models.find_decoder_layers(model)
     targets, plan = plan_layers(prefix, layers, cfg)
     if not plan.matrices:
@@ -67,7 +71,7 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
     batch_list = calib_mod.batches(calib, tokenizer=tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     placement = offload_mod.Placement(model, layers, cfg, run_device, source=source)
     # a layer's inputs and outputs coexist; the float stream (imatrix_source="float") keeps one more set
-    activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix) else 2)
+    activations = offload_mod.hidden_bytes(model, batch_list) * (3 if float_stream.enabled(cfg, imatrix, stats) else 2)
     placement.check([offload_mod.layer_need(layer, t, activations, cfg.moe.calibration == "all_experts")
                      for layer, t in zip(layers, targets)])      # before any work: over budget is an error
     weight_checks.check_finite_weights(targets, prefix)         # NaN/Inf named by weight and expert, up front
@@ -77,7 +81,8 @@ def prepare(model, calib, cfg, tokenizer, device, devices, imatrix, source=None)
     report.warnings.extend(plan.notes + plan.unmatched)
     result = QuantizeResult(model, {}, report, config=cfg,
                             param_keys={p: [k for k, _, _ in rows] for p, rows in names.items()})
-    run = Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix)
+    run = Run(cfg, prefix, layers, targets, plan, names, batch_list, result, placement, run_device, devices, imatrix,
+              stats=stats)
     for note in (calib_mod.token_floor(report.calibration_tokens, targets, prefix), slow):
         if note:  # said once, before the first forward; kept in the report
             warnings.warn(note, stacklevel=3)

@@ -26,7 +26,6 @@ from jgptq_torch.dlpack import to_jax
 from jgptq import methods, parallel
 from jgptq import statistics as stats_mod
 from jgptq.bucket import Stack, compiled_decode, quantize_bucket
-from jgptq.methods.awq import scaled_hessian
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,9 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
         experts, the rows of ``span``).
       span: (lo, hi): experts stacks take experts ``lo <= e < hi`` only (the collector's span: a chunk).
       scales: Hessian key -> float32 scale (C,) folded into the inputs of the matrices read under that key (a
-        pre-scaling method's, :attr:`jgptq_torch.pipeline.step.LayerStep.scales`): their stacks' Hessians are
-        ``diag(s)^-1 H diag(s)^-1`` (:func:`jgptq.methods.awq.scaled_hessian`; the weights, read from the model,
-        are scaled already; the importance of GGML encoders stays the unscaled Hessian's).
+        pre-scaling method's, :attr:`jgptq_torch.pipeline.step.LayerStep.scales`): their stacks carry it as
+        ``input_scale`` (the solve's Hessian is ``diag(s)^-1 H diag(s)^-1``; the weights, read from the model, are
+        scaled already; the importance of GGML encoders stays the unscaled Hessian's).
 
     A stack's ``statistics`` hold the other statistics its method declares (e.g. the error-feedback cross
     statistic), finalized from the collector under the Hessian's key (None where never fed).
@@ -73,9 +72,7 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
                   if s not in (stats_mod.HESSIAN, stats_mod.IMATRIX) and s in collector.statistics]
         extra = {s: None if key is None else collector.result(s, key) for s in others} or None
         s = None if not scales or key is None else scales.get(key)
-        if s is not None and h is not None:
-            h = scaled_hessian(h, s)
-        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp, extra)))
+        out.append((m, param, Stack(f"{base}.{m.name}", weight, h, tokens, hkey, imp, extra, s)))
     return out
 
 
