@@ -191,3 +191,26 @@ def test_a_program_asked_for_by_two_threads_compiles_once():
             t.join()
     assert len(got) == 3 and all(g is got[0] for g in got)
     assert len(compiles.seen) == 1, compiles.seen     # the one program, by one of the threads
+
+
+def test_a_pass_in_chunks_of_experts_compiles_nothing_ahead(monkeypatch):
+    """A layer whose routed experts go in chunks (memory planned full) starts no warm-up: no solve or group
+    program on a worker thread; the bytes are those of the run without warm-up. A whole layer of the same model
+    does warm up (the guard is the chunk, not the model)."""
+    from jgptq_torch.pipeline import hooks
+    from tests.tiny_models import chunk_budget
+
+    float_model = build("qwen3_moe", num_hidden_layers=1)
+    full = jgptq.quantize_moe(copy.deepcopy(float_model), CALIB, **INT)
+    opts = dict(INT, offload="cpu", device_budget=chunk_budget(float_model, full, 3))
+    ref_model, ref = _run(float_model, opts, monkeypatch, "0")
+    started = []
+    monkeypatch.setattr(hooks, "warm_solves", lambda *a, **k: started.append("solves"))
+    monkeypatch.setattr(hooks.WarmUp, "_warm_groups", lambda self, run, step: started.append("groups"))
+    with Compiles() as compiles:
+        model, result = _run(float_model, opts, monkeypatch, "1")
+    assert [p["experts_per_chunk"] for p in result.report.memory["expert_chunks"]] == [[3, 3, 2]]
+    assert started == [] and not [t for t, _ in compiles.seen if t.startswith("jgptq-warm")]
+    _assert_same(ref_model, ref, model, result)
+    _run(float_model, INT, monkeypatch, "1")
+    assert started == ["groups", "solves"]

@@ -92,7 +92,13 @@ class WarmUp(Hook):
     compiles (:mod:`jgptq_torch.pipeline.warm_groups`, at most
     :data:`jgptq_torch.pipeline.warm_groups.MAX_GROUP_PROGRAMS` a run): they run on beside the calibration and
     the solve and the next layers (whose calibration waits for a program under way and compiles one not started
-    itself), and stop when the run ends."""
+    itself), and stop when the run ends.
+
+    A pass of a chunk of routed experts compiles nothing ahead: the chunks were planned to fill the device's free
+    memory, and a compile on a worker thread measures its candidate kernels on buffers of its program's size
+    (XLA's autotuning on a GPU: 12 GB for a 64-slot group of 7168-wide Hessians), which found no room there and
+    ended the process on an 80 GB GPU. Those passes' programs compile where the solve and the calibration meet
+    them, one at a time."""
 
     def __init__(self):
         self.warmed: set = set()
@@ -102,6 +108,8 @@ class WarmUp(Hook):
         self.group_left = warm_groups.MAX_GROUP_PROGRAMS
 
     def before_calibrate(self, run, step: LayerStep) -> None:
+        if step.span is not None:     # memory planned full: no compile beside the pass
+            return
         step.stage("compile")
         self._warm_groups(run, step)
         chunk = None if step.span is None else step.span[1] - step.span[0]
