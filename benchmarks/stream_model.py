@@ -29,7 +29,8 @@ read from the checkpoint and the most tensor bytes materialized at once, the wri
 whole model extrapolated from the measured run: its total (set-up, compiles and the output's last writes
 included) plus every layer not measured at its kind's steady cost (dense and MoE apart: the mean of the kind's
 layers after the first, whose solve compiles; never below the output writer's seconds per layer, since the writer
-works beside the layers and would set the pace if it were slower).
+works beside the layers and would set the pace if it were slower), and the same with the median of those layers
+(``model_median_s``: a one-off compile in one later layer is not multiplied by the unmeasured ones).
 """
 
 from __future__ import annotations
@@ -171,12 +172,24 @@ def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s
     first one alone, without the ``export`` stage (the wait for the writer at the end, counted once in the total);
     but never below the writer's seconds per measured layer, since the output is written beside the work and a
     writer slower than the layers would set the pace (``writer_busy_s`` over all measured layers: an upper bound,
-    as it includes the tensors outside the layers)."""
+    as it includes the tensors outside the layers).
+
+    ``model_s`` takes the mean (a one-off compile in a later measured layer is spread over every unmeasured one:
+    an upper bound); ``model_median_s`` takes the median of the same layers instead (with three or more of them,
+    one layer's one-off compile does not count for the rest); both figures are reported."""
+    def seconds(i):
+        return sum(v for k, v in timings.get(i, {}).items() if k != "export")
+
     def mean_of(idx):
         warm = idx[1:] or idx
+        return sum(seconds(i) for i in warm) / len(warm) if warm else None
+
+    def median_of(idx):
+        warm = sorted(seconds(i) for i in (idx[1:] or idx))
         if not warm:
             return None
-        return sum(sum(v for k, v in timings.get(i, {}).items() if k != "export") for i in warm) / len(warm)
+        mid = len(warm) // 2
+        return warm[mid] if len(warm) % 2 else (warm[mid - 1] + warm[mid]) / 2
 
     writer = writer_busy_s / layers if writer_busy_s else 0.0
     dense = [i for i in range(layers) if i < s["dense"]]
@@ -186,10 +199,14 @@ def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s
     more_dense = max(s["dense"] - len(dense), 0)
     more_moe = max(s["layers"] - s["dense"] - len(moe), 0)
     full = total + more_dense * d_steady + more_moe * m_steady
+    dm, mm = median_of(dense), median_of(moe)
+    median = total + more_dense * max(dm or 0.0, writer) + more_moe * max(mm or 0.0, writer)
     return {"dense_layer_s": d, "moe_layer_s": m, "writer_per_layer_s": writer or None,
             "dense_layer_steady_s": d_steady if d is not None else None, "moe_layer_steady_s": m_steady,
+            "dense_layer_median_s": dm, "moe_layer_median_s": mm,
             "measured_total_s": total, "model_layers": s["layers"], "model_dense_layers": s["dense"],
-            "model_s": full, "model_h": full / 3600, "model_min": full / 60}
+            "model_s": full, "model_h": full / 3600, "model_min": full / 60,
+            "model_median_s": median, "model_median_min": median / 60}
 
 
 def main(argv=None):
