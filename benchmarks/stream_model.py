@@ -175,8 +175,9 @@ def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s
     as it includes the tensors outside the layers).
 
     ``model_s`` takes the mean (a one-off compile in a later measured layer is spread over every unmeasured one:
-    an upper bound); ``model_median_s`` takes the median of the same layers instead (with three or more of them,
-    one layer's one-off compile does not count for the rest); both figures are reported."""
+    an upper bound); ``model_median_s`` takes the median of the kind's layers after the first and before the run's
+    last measured layer (which has no replay and holds the end of the stores' work; it is one of them only when
+    fewer than two remain): with three or more, one layer's one-off compile does not count for the rest."""
     def seconds(i):
         return sum(v for k, v in timings.get(i, {}).items() if k != "export")
 
@@ -185,7 +186,8 @@ def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s
         return sum(seconds(i) for i in warm) / len(warm) if warm else None
 
     def median_of(idx):
-        warm = sorted(seconds(i) for i in (idx[1:] or idx))
+        inner = [i for i in idx[1:] if i != layers - 1]
+        warm = sorted(seconds(i) for i in (inner if len(inner) >= 2 else idx[1:] or idx))
         if not warm:
             return None
         mid = len(warm) // 2

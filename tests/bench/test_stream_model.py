@@ -42,14 +42,16 @@ def test_extrapolation_adds_unmeasured_layers_at_the_steady_cost():
 
 
 def test_the_median_extrapolation_leaves_out_a_one_off_layer():
-    """With three MoE layers after the first, one of them holding a 10 s one-off compile, the mean spreads it over
-    every unmeasured layer and the median does not; with two the median is their mean; never below the writer."""
+    """With three MoE layers between the first and the last, one of them holding a 10 s one-off compile, the mean
+    spreads it over every unmeasured layer and the median does not (the last layer, with the stores' end, is left
+    out of the median); with fewer the median takes the layers after the first; never below the writer."""
     shape = {"layers": 20, "dense": 0}
-    timings = {0: {"solve": 30.0}, 1: {"calibrate": 1.0, "solve": 11.0}, 2: {"solve": 2.0}, 3: {"solve": 2.5}}
-    w = stream_model.extrapolate(timings, shape, 4, total=50.0)
-    assert w["moe_layer_s"] == 5.5 and w["model_s"] == 50.0 + 16 * 5.5
-    assert w["moe_layer_median_s"] == 2.5 and w["model_median_s"] == 50.0 + 16 * 2.5
+    timings = {0: {"solve": 30.0}, 1: {"calibrate": 1.0, "solve": 11.0}, 2: {"solve": 2.0}, 3: {"solve": 2.5},
+               4: {"solve": 2.0, "store": 5.0}}
+    w = stream_model.extrapolate(timings, shape, 5, total=50.0)
+    assert w["moe_layer_s"] == 5.875 and w["model_s"] == 50.0 + 15 * 5.875     # the last layer's store counts here
+    assert w["moe_layer_median_s"] == 2.5 and w["model_median_s"] == 50.0 + 15 * 2.5
     two = stream_model.extrapolate({0: {"solve": 30.0}, 1: {"solve": 2.0}, 2: {"solve": 4.0}}, shape, 3, total=9.0)
     assert two["moe_layer_median_s"] == 3.0 and two["model_median_s"] == 9.0 + 17 * 3.0
-    slow = stream_model.extrapolate(timings, shape, 4, total=50.0, writer_busy_s=16.0)    # 4 s a layer
-    assert slow["model_median_s"] == 50.0 + 16 * 4.0
+    slow = stream_model.extrapolate(timings, shape, 5, total=50.0, writer_busy_s=20.0)    # 4 s a layer
+    assert slow["model_median_s"] == 50.0 + 15 * 4.0
