@@ -286,3 +286,15 @@ def test_gpt_oss_clamped_swiglu_where_the_clamp_acts():
     capture._register()
     plain = logits_with(model, ids, capture.IMPLEMENTATION)
     torch.testing.assert_close(plain, eager, rtol=0, atol=2e-6 * float(eager.abs().max()))
+
+
+def test_a_chunk_of_experts_is_not_padded_to_the_slots_of_the_whole_layer():
+    """5 kept experts of 256 (a chunk) at DeepSeek-V3's width: on an accelerator every group has at most 8 slots
+    (the next power of two of the chunk), not the 32+ the whole layer's slot floor gave; the same experts covered."""
+    counts = [0] * 256
+    for e, n in zip(range(40, 45), (300, 500, 700, 90, 1200)):
+        counts[e] = n
+    groups = routed_groups.group_layout(counts, 7168 * 2, True, kept=5)
+    assert max(len(slots) for _, slots in groups) <= 8
+    assert sorted(e for _, slots in groups for e in slots if e >= 0) == list(range(40, 45))
+    assert max(len(slots) for _, slots in routed_groups.group_layout(counts, 7168 * 2, True)) >= 32   # uncapped

@@ -36,7 +36,7 @@ def test_every_accelerator_layout_is_enumerated(bounded):
         kept = [int(n) if lo <= e < hi else 0 for e, n in enumerate(counts)]
         allowed = set(routed_groups.layout_shapes(experts, hi - lo, bytes_per_row, tokens,
                                                   tokens * top_k if bounded else None))
-        met = {(len(slots), p) for p, slots in routed_groups.group_layout(kept, bytes_per_row, True)}
+        met = {(len(slots), p) for p, slots in routed_groups.group_layout(kept, bytes_per_row, True, hi - lo)}
         assert met <= allowed, (experts, tokens, top_k, cols, (lo, hi), sorted(met - allowed))
 
 
