@@ -289,12 +289,25 @@ def test_gpt_oss_clamped_swiglu_where_the_clamp_acts():
 
 
 def test_a_chunk_of_experts_is_not_padded_to_the_slots_of_the_whole_layer():
-    """5 kept experts of 256 (a chunk) at DeepSeek-V3's width: on an accelerator every group has at most 8 slots
-    (the next power of two of the chunk), not the 32+ the whole layer's slot floor gave; the same experts covered."""
+    """5 kept experts of 256 (a chunk): on an accelerator every group has at most 8 slots (the next power of two
+    of the chunk), not the 32 the whole layer's slot floor gives at width 2048; the same experts covered."""
     counts = [0] * 256
     for e, n in zip(range(40, 45), (300, 500, 700, 90, 1200)):
         counts[e] = n
-    groups = routed_groups.group_layout(counts, 7168 * 2, True, kept=5)
+    groups = routed_groups.group_layout(counts, 2048 * 2, True, kept=5)
     assert max(len(slots) for _, slots in groups) <= 8
     assert sorted(e for _, slots in groups for e in slots if e >= 0) == list(range(40, 45))
-    assert max(len(slots) for _, slots in routed_groups.group_layout(counts, 7168 * 2, True)) >= 32   # uncapped
+    assert max(len(slots) for _, slots in routed_groups.group_layout(counts, 2048 * 2, True)) >= 32   # uncapped
+
+
+def test_a_group_of_wide_experts_keeps_its_products_within_bounds():
+    """At DeepSeek-V3's width (bf16 rows of 7168) a group has at most 16 slots (16 x 7168^2 x 4 B = 3.3 GB of
+    products, within PRODUCT_BYTES), at Qwen3-235B-A22B's 4096 at most 64; at Qwen3-30B-A3B's 2048 the input
+    bound (GROUP_BYTES) and the experts' count decide (256); every expert covered once."""
+    rng = np.random.default_rng(1)
+    for cols, most in ((7168, 16), (4096, 64), (2048, 256)):
+        counts = [int(n) for n in rng.integers(400, 700, 256)]
+        groups = routed_groups.group_layout(counts, cols * 2, True)
+        assert max(len(s) for _, s in groups) == most, cols
+        assert all(len(s) * cols * cols * 4 <= routed_groups.PRODUCT_BYTES for _, s in groups)
+        assert sorted(e for _, s in groups for e in s if e >= 0) == list(range(256))

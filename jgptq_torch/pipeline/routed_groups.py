@@ -16,6 +16,7 @@ from jgptq_torch.dlpack import to_jax
 
 MAX_ROWS = 1 << 13
 GROUP_BYTES = 1 << 30  # padded rows of one group of experts passed to the accumulation at once
+PRODUCT_BYTES = 1 << 32  # float32 (cols x cols) products of one group's slots, made before they are summed in
 
 
 def padded_rows(n: int) -> int:
@@ -29,6 +30,15 @@ def accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _most_slots(p: int, bytes_per_row: int, cap: int) -> int:
+    """The most slots of a group of ``p`` rows per slot: a power of two, at most ``cap``, whose padded rows stay
+    within :data:`GROUP_BYTES` and whose float32 products (one (C, C) a slot, C the rows' width in elements of at
+    least 2 bytes: bounded by ``(bytes_per_row / 2)^2`` x 4 B) within :data:`PRODUCT_BYTES`."""
+    width = max(1, bytes_per_row // 2)
+    most = max(1, min(GROUP_BYTES // (p * bytes_per_row), PRODUCT_BYTES // (4 * width * width)))
+    return min(cap, 1 << (most.bit_length() - 1))
+
+
 def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: int = None) -> list:
     """How a forward's routed experts are added: [(rows per slot p, experts of the slots, -1 for padding)].
 
@@ -37,8 +47,9 @@ def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: i
     is not padded to the slots of the whole layer (5 of DeepSeek-V3's 256 experts took 32 slots of 7168^2 float32
     products, 6.6 GB a group, before).
 
-    Experts with the same :func:`padded_rows` share groups of at most :data:`GROUP_BYTES` of padded input (a
-    power of two of slots). Every slot is a full (p, C) x (p, C) product, padding slots included, and every
+    Experts with the same :func:`padded_rows` share groups of at most :data:`GROUP_BYTES` of padded input and
+    :data:`PRODUCT_BYTES` of float32 products (a power of two of slots: 16 slots of DeepSeek-V3's 7168^2, 64 of
+    Qwen3-235B's 4096^2; a 64-slot group of 7168^2 products, 13 GB, ran an 80 GB GPU out of memory). Every slot is a full (p, C) x (p, C) product, padding slots included, and every
     distinct (slots, p, C) shape compiles one accumulation program; each call costs the host about a millisecond
     of dispatch, so groups are few and large. A level's last group is padded to the next power of two of its
     members; on an accelerator to at least an eighth of the level's largest group, which bounds the programs per
@@ -51,8 +62,7 @@ def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: i
     cap = 1 << (max(1, len(counts) if kept is None else kept) - 1).bit_length()
     groups = []
     for p, members in sorted(levels.items()):
-        most = max(1, GROUP_BYTES // (p * bytes_per_row))
-        most = min(cap, 1 << (most.bit_length() - 1))
+        most = _most_slots(p, bytes_per_row, cap)
         least = max(1, most // 8) if on_accelerator else 1
         for i in range(0, len(members), most):
             chunk = members[i:i + most]
@@ -83,8 +93,7 @@ def layout_shapes(experts: int, kept: int, bytes_per_row: int, tokens: int, rout
     while p <= top:
         members = kept if routed_rows is None else min(kept, routed_rows // (p // 2 + 1) if p > 64 else routed_rows)
         if members:
-            most = max(1, GROUP_BYTES // (p * bytes_per_row))
-            most = min(cap, 1 << (most.bit_length() - 1))
+            most = _most_slots(p, bytes_per_row, cap)
             least = max(1, most // 8)
             sizes = sorted({min(most, max(least, 1 << (m - 1).bit_length()))
                             for m in _chunk_sizes(members, most)}, reverse=p == mean)
