@@ -108,11 +108,17 @@ def buffer_pointer(a: jax.Array) -> int:
 
 def jax_device_of(t: torch.Tensor):
     """The JAX device holding data of a torch tensor on ``t.device`` (CPU -> first CPU device)."""
-    if t.device.type == "cpu":
+    return jax_device_for(t.device)
+
+
+def jax_device_for(device: torch.device):
+    """The JAX device of torch device ``device`` (CPU -> first CPU device; ``cuda:k`` -> the GPU of that
+    hardware id)."""
+    if device.type == "cpu":
         return jax.devices("cpu")[0]
-    if t.device.type == "cuda":
-        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
         for d in jax.devices():
             if d.platform == "gpu" and d.local_hardware_id == index:
                 return d
-    raise ValueError(f"no JAX device matches torch device {t.device}")
+    raise ValueError(f"no JAX device matches torch device {device}")

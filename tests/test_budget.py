@@ -97,7 +97,7 @@ def test_over_the_limit_the_message_says_by_how_much_and_what_helps():
         verdict.raise_if_over()
     assert str(err.value) == message and isinstance(err.value, ValueError)
     assert verdict.record() == {"layer": 0, "parameters": 1000, "activations": 200, "hessians": 300, "solve": 500,
-                                "other_on_device": 500, "total": 2500}
+                                "other_on_device": 500, "total": 2500, "solve_room": 2400 - 500 - 1000 - 200}
 
 
 def test_resident_layers_over_the_limit_point_to_offloading_when_it_would_fit():
@@ -145,7 +145,8 @@ def test_a_layer_over_the_limit_goes_in_the_fewest_chunks_that_fit():
     record = budget(limit=2210).assess([EXPERTS, LayerNeed(100, 10, 100, 100), EXPERTS], ahead=False)
     assert record.chunks == {0: (3, 3, 2), 2: (3, 3, 2)}      # a fixed need is never split
     assert record.record() == {"layer": 0, "parameters": 100, "activations": 10, "hessians": 4 * 76,
-                               "solve": 4 * 324, "other_on_device": 500, "total": 2210, "experts_per_chunk": 3}
+                               "solve": 4 * 324, "other_on_device": 500, "total": 2210, "experts_per_chunk": 3,
+                               "solve_room": 2210 - 500 - 100 - 10}
     summary = chunk_summary(record.chunks)
     assert summary == [{"layers": [0, 2], "experts": 8, "chunks": 3, "experts_per_chunk": [3, 3, 2]}]
     assert chunk_note(summary, "cuda:0") == ("routed experts a chunk at a time to fit cuda:0: layers 0,2: 8 routed "
@@ -185,3 +186,20 @@ def test_moves_ahead_stay_only_when_they_cost_no_extra_chunk():
     # no room in line either: the same chunks both ways, so the moves stay beside the work
     room = Budget("cpu", None, (LAYER,) * 3, OTHER, room=10).assess([EXPERTS] * 3, ahead=True)
     assert room.ahead and room.chunks == dict.fromkeys(range(3), (1,) * 8)
+
+
+def test_the_solves_are_granted_what_the_plan_leaves_them():
+    # the limit (or the room) less what stays on the device, the layer's parameters and its activations: a chunk's
+    # Hessians and solve fit in it, and so does a whole layer's where it fits whole
+    for limit in (500 + 222 + 496 * 3, 500 + 718, 500 + 4190, 10 ** 6):
+        verdict = budget(limit=limit).assess([EXPERTS] * 3, ahead=False)
+        assert verdict.solve_room == dict.fromkeys(range(3), limit - OTHER - 100 - 10)
+        assert verdict.need.hessians + verdict.need.solve <= verdict.solve_room[0]
+    ahead = budget(limit=10 ** 6).assess([EVEN] * 3, ahead=True)          # the neighbours coming and going count
+    assert ahead.ahead and ahead.solve_room == {0: 10 ** 6 - 500 - 1000 - 1200, 1: 10 ** 6 - 500 - 2000 - 1200,
+                                                2: 10 ** 6 - 500 - 1000 - 1200}
+    room = Budget("cpu", None, (LAYER,) * 3, OTHER, room=500 + 1710).assess([EXPERTS] * 3, ahead=False)
+    assert room.solve_room == dict.fromkeys(range(3), 1710 - 110)
+    tight = Budget("cpu", None, (LAYER,) * 3, OTHER, room=10).assess([EXPERTS] * 3, ahead=False)
+    assert tight.solve_room == dict.fromkeys(range(3), 0)                   # never negative
+    assert budget().assess([EXPERTS] * 3, ahead=False).solve_room == {}    # no limit, no room: no grant

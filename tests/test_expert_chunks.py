@@ -18,6 +18,7 @@ import json
 import logging
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -152,3 +153,40 @@ def test_a_budget_below_one_expert_at_a_time_is_refused_before_any_work():
         jgptq.quantize_moe(model, resume_tests.CALIB, offload="cpu",
                            device_budget=chunk_budget(float_model, full, 1) - 1, **resume_tests.OPTS)
     assert all(v.equal(state[k]) for k, v in model.state_dict().items())
+
+
+def test_each_layer_s_solves_plan_against_the_room_its_budget_leaves_them(monkeypatch):
+    # On an accelerator the solves get the bytes of the layer's plan that torch does not hold (JAX's statistics do
+    # not see torch's tensors); the CPU has no grant (host memory is one pool), so here the grant is made as an
+    # accelerator's would be: the room, over the JAX arrays already live (torch's tensors read without a copy).
+    from jgptq.parallel import memory
+    from jgptq_torch.pipeline import expert_chunks
+
+    float_model, ref, full = resume_tests.reference()
+    opts = dict(resume_tests.OPTS, offload="cpu", device_budget=chunk_budget(float_model, full, 3))
+    cpu = jax.devices("cpu")[0]
+    granted, seen, own_rule = [], [], expert_chunks.solve_limit
+
+    def solve_limit(placement, i):
+        assert own_rule(placement, i) is None                          # the CPU's own rule
+        room = placement.solve_room[i]
+        granted.append(room)
+        return {cpu: room + memory.live_bytes([cpu])[cpu]}
+
+    real_free = memory.free_bytes
+
+    def free_bytes(devices, memory_limit=None, reserve=0):
+        out = real_free(devices, memory_limit, reserve)
+        seen.append(out[cpu])
+        return out
+
+    monkeypatch.setattr(expert_chunks, "solve_limit", solve_limit)
+    monkeypatch.setattr(memory, "free_bytes", free_bytes)
+    model = copy.deepcopy(float_model)
+    result = jgptq.quantize_moe(model, resume_tests.CALIB, **opts)
+    assert len(granted) == 3 * 3                                        # every pass of every layer
+    assert granted[0] == result.report.memory["need"]["solve_room"] > 0
+    assert seen and all(0 <= s <= max(granted) for s in seen)          # every room check saw the grant
+    resume_tests.assert_same(ref, full, model, result)
+    with memory.granted(None):                                          # outside a grant: unlimited on the CPU
+        assert real_free([cpu])[cpu] == memory.UNLIMITED

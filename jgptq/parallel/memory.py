@@ -4,9 +4,10 @@
   they count as unlimited unless a limit is simulated, in which case the bytes in use are the sum of the live
   JAX arrays on the device.
 - A per-device limit can be simulated for tests and for sharing a device with another framework: the
-  ``memory_limit`` argument (bytes, or a mapping device -> bytes) or the environment variable
-  ``JGPTQ_DEVICE_MEMORY_LIMIT`` (bytes, with an optional ``K``/``M``/``G`` suffix, powers of 1024). A simulated
-  limit never raises what a device really has.
+  ``memory_limit`` argument (bytes, or a mapping device -> bytes); else the limit of the innermost
+  :func:`granted` block (a caller that shares the device, e.g. the torch pipeline, grants the solves the room its
+  plan left them); else the environment variable ``JGPTQ_DEVICE_MEMORY_LIMIT`` (bytes, with an optional
+  ``K``/``M``/``G`` suffix, powers of 1024). A limit never raises what a device really has.
 - :func:`program_peak` is the per-device peak of a compiled program from its ``memory_analysis()`` (nothing is
   allocated): ``peak_memory_in_bytes`` where the backend reports it, else arguments + outputs - aliased + temps.
 """
@@ -14,6 +15,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import math
 import os
 from typing import Mapping, Optional, Union
@@ -25,6 +28,22 @@ ENV_LIMIT = "JGPTQ_DEVICE_MEMORY_LIMIT"
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 Limit = Union[None, int, str, Mapping]
+_GRANTED: contextvars.ContextVar = contextvars.ContextVar("jgptq_granted_memory", default=None)
+
+
+@contextlib.contextmanager
+def granted(limit: Limit):
+    """Within the block (this thread or task), every room check that passes no ``memory_limit`` plans against
+    ``limit`` (bytes, ``"40G"``, or a mapping device -> bytes; None: no limit of its own, the environment's).
+
+    For a caller that shares a device with JAX and knows what it leaves to it: JAX's statistics count only JAX's
+    own buffers, so without it a solve sizes its chunks to the whole of JAX's allocator limit, whatever the other
+    framework holds on the same device."""
+    token = _GRANTED.set(limit)
+    try:
+        yield
+    finally:
+        _GRANTED.reset(token)
 
 
 def parse_bytes(text) -> int:
@@ -44,6 +63,8 @@ def parse_bytes(text) -> int:
 
 
 def _limit_for(device, memory_limit: Limit) -> Optional[int]:
+    if memory_limit is None:
+        memory_limit = _GRANTED.get()
     if memory_limit is None:
         env = os.environ.get(ENV_LIMIT)
         return None if not env else parse_bytes(env)

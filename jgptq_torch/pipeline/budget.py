@@ -23,6 +23,11 @@ of an accelerator: :attr:`Budget.room`) has its routed experts calibrated and so
 once. The chunk is the most experts that fit; the experts are then cut into that many balanced chunks
 (:func:`balanced`: sizes differ by one at most). A layer is over the budget only when one expert per chunk does not
 fit. Moves beside the work stay on only when they cost no extra chunk.
+
+What a layer's Hessians and solves may hold (:attr:`Verdict.solve_room`): the limit (or room) less the rest of its
+total. On an accelerator the solves are granted that much (:func:`jgptq.parallel.memory.granted`): JAX's own
+statistics count only JAX's buffers, so without the grant a solve would size its batches to JAX's whole allocator
+limit, whatever torch holds beside it (the parameters, the activations), and torch could then run out of memory.
 """
 
 from __future__ import annotations
@@ -179,6 +184,8 @@ class Verdict:
       total: its bytes on the device together with what stays there (int).
       problem: the message of the :class:`DeviceBudgetError` when over the budget, else ``""``.
       chunks: layer -> the sizes of its chunks of routed experts, for the layers that go in chunks.
+      solve_room: layer -> the bytes its Hessians and solves may hold on the device: the limit (or the room) less
+        what stays there with it, its parameters and its activations (empty without a limit or a room).
     """
 
     ahead: bool
@@ -187,6 +194,7 @@ class Verdict:
     total: int
     problem: str = ""
     chunks: dict = dataclasses.field(default_factory=dict)
+    solve_room: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -195,11 +203,13 @@ class Verdict:
     def record(self) -> dict:
         """The ``need`` entry of the run's memory record: the worst layer, its need by part, the bytes that stay
         on the device with it (``other_on_device``) and the total; ``experts_per_chunk`` when that layer goes in
-        chunks."""
+        chunks, ``solve_room`` under a limit or a room."""
         out = {"layer": self.layer, **dataclasses.asdict(self.need), "other_on_device": self.total - self.need.total,
                "total": self.total}
         if self.layer in self.chunks:
             out["experts_per_chunk"] = max(self.chunks[self.layer])
+        if self.layer in self.solve_room:
+            out["solve_room"] = self.solve_room[self.layer]
         return out
 
     def raise_if_over(self) -> None:
@@ -305,7 +315,10 @@ class Budget:
         worst = max(range(n), key=lambda i: self.total(chosen, i, ahead=ahead))
         need, total = chosen[worst], self.total(chosen, worst, ahead=ahead)
         chunks = {i: sizes for i, (sizes, _) in enumerate(plans) if sizes}
-        verdict = Verdict(ahead, worst, need, total, chunks=chunks)
+        target = self.limit if self.limit is not None else self.room
+        rooms = {} if target is None else {
+            i: max(0, target - self.fixed(i, ahead) - n.parameters - n.activations) for i, n in enumerate(chosen)}
+        verdict = Verdict(ahead, worst, need, total, chunks=chunks, solve_room=rooms)
         if self.limit is None or total <= self.limit:
             return verdict
         return dataclasses.replace(verdict, problem=self._problem(needs, chosen, worst, total))

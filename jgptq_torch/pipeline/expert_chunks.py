@@ -47,7 +47,7 @@ import torch
 
 from jgptq.bucket import Solved, Stack
 from jgptq.imatrix import ImatrixEntry
-from jgptq_torch.dlpack import to_torch
+from jgptq_torch.dlpack import jax_device_for, to_torch
 from jgptq_torch.pipeline.budget import chunk_note
 from jgptq_torch.pipeline.importance import expert_rows
 from jgptq_torch.pipeline.solve import buckets
@@ -65,6 +65,17 @@ def device_room(device: torch.device, on_device: int):
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(ROOM_SHARE * (free + on_device))
+
+
+def solve_limit(placement, i: int):
+    """The memory limit granted to layer ``i``'s solves (:func:`jgptq.parallel.memory.granted`): {the run
+    device's JAX device: the bytes the plan leaves to its Hessians and solves} on an accelerator under a budget or
+    a room (:attr:`jgptq_torch.pipeline.budget.Verdict.solve_room`); None on the CPU (host memory is one pool, and
+    JAX's arrays there include the torch tensors it reads without a copy) or without a plan."""
+    room = placement.solve_room.get(i)
+    if room is None or placement.device.type == "cpu":
+        return None
+    return {jax_device_for(placement.device): room}
 
 
 def say_plan(placement, progress: bool) -> None:

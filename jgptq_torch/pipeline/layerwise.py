@@ -60,6 +60,7 @@ import torch
 
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
+from jgptq.parallel import memory
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
@@ -279,7 +280,8 @@ def _solve(run: Run, step: LayerStep) -> tuple:
                                                f"implementation; its routed tokens cannot be seen")
         report.coverage[f"{base}.{name}"] = list(counts)
         report.thresholds[f"{base}.{name}"] = threshold
-    solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
+    with memory.granted(expert_chunks.solve_limit(run.placement, i)):   # torch's share stays torch's
+        solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
     collector.release()
     report.add_time(i, "solve", time.perf_counter() - t0)
     return solved, own
