@@ -202,6 +202,12 @@ def test_simulated_limits_and_errors(problem, monkeypatch):
         free = memory.free_bytes([dev])[dev]
         assert 0 < free <= (1 << 20) - keep.nbytes
         assert memory.free_bytes([dev], reserve=1000)[dev] == free - 1000
+        with memory.granted({dev: held + (2 << 20)}):                  # a grant comes before the environment
+            assert memory.free_bytes([dev])[dev] == free + (1 << 20)
+            with memory.granted(None):                                  # an inner block without one: the environment
+                assert memory.free_bytes([dev])[dev] == free
+            assert memory.free_bytes([dev], memory_limit=held + (3 << 20))[dev] == free + (2 << 20)  # the argument wins
+        assert memory.free_bytes([dev])[dev] == free                    # the block's end restores it
     with pytest.raises(ValueError, match="Hessians for"):
         jp.solve_experts(problem["w"], problem["h"][:3], CFG)
     with pytest.raises(ValueError, match="disagree on the number of experts"):
