@@ -190,3 +190,30 @@ def test_each_layer_s_solves_plan_against_the_room_its_budget_leaves_them(monkey
     resume_tests.assert_same(ref, full, model, result)
     with memory.granted(None):                                          # outside a grant: unlimited on the CPU
         assert real_free([cpu])[cpu] == memory.UNLIMITED
+
+
+def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
+    # the plan's room, but never more than the budget less torch's reserved bytes (blocks its forwards cached)
+    import types
+
+    from jgptq_torch.pipeline import expert_chunks
+    from jgptq_torch.pipeline.budget import Budget
+
+    gpu = object()
+    monkeypatch.setattr(expert_chunks, "jax_device_for", lambda device: gpu)
+    reserved = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
+
+    def placement(device, limit=None, room=None):
+        return types.SimpleNamespace(device=torch.device(device), solve_room={0: 600}, memory={},
+                                     budget=Budget("cpu", limit, (100,), room=room))
+
+    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}
+    reserved["bytes"] = 700
+    tight = placement("cuda:0", limit=1000)
+    assert expert_chunks.solve_limit(tight, 0) == {gpu: 300} and tight.memory == {"solve_granted_least": 300}
+    assert expert_chunks.solve_limit(placement("cuda:0", room=800), 0) == {gpu: 100}
+    reserved["bytes"] = 5000
+    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 0}
+    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 1) is None   # no plan for the layer
+    assert expert_chunks.solve_limit(placement("cpu", limit=1000), 0) is None      # host memory: one pool
