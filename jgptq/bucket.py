@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -39,6 +40,7 @@ import numpy as np
 
 from jgptq.objective import hessian_loss  # noqa: F401 - the methods' objective, named here too
 from jgptq.config import QuantConfig
+from jgptq.parallel import memory
 from jgptq.export.records import GGMLWeight, QuantizedWeight
 
 
@@ -229,7 +231,8 @@ def plain_encoder(format_name: str):
     return encode
 
 
-def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int = 1, devices=None) -> list:
+def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int = 1, devices=None,
+                    memory_limit=None) -> list:
     """Quantizes every matrix of same-shape ``stacks`` under one ``plan`` in one batched call of the plan's method
     (:func:`jgptq.methods.get`).
 
@@ -239,6 +242,9 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
       threshold: fewest calibration tokens for a method that needs them (``token_threshold``, e.g. GPTQ); below
         it, the fallback above.
       devices: JAX devices for the solve (default: every local device).
+      memory_limit: the bytes the solve may hold on each device (an int, or a mapping device -> bytes; None: what
+        the devices have free), e.g. what a framework sharing the device leaves to it
+        (:func:`jgptq.parallel.memory.granted`: the method's room checks plan within it).
     Returns:
       One :class:`Solved` per stack, in order; the bytes are the same whatever the devices.
     Raises:
@@ -264,8 +270,9 @@ def quantize_bucket(stacks: Sequence[Stack], plan: MatrixPlan, *, threshold: int
     if ggml and stacks[0].importance is not None:
         importance = jnp.concatenate([jnp.asarray(s.importance, jnp.float32) for s in stacks])
     names = ", ".join(s.name for s in stacks)
-    out = method.solve(methods.BucketInputs(stacks, weights, importance, plan, low, f"{names} ({rows}x{cols})",
-                                            devices))
+    with contextlib.nullcontext() if memory_limit is None else memory.granted(memory_limit):
+        out = method.solve(methods.BucketInputs(stacks, weights, importance, plan, low, f"{names} ({rows}x{cols})",
+                                                devices))
     fields = {k: out.fields.get(k) for k in ("weight",) + _FIGURES + _ARRAYS}
     for i, why in out.fell_back.items():
         reasons[i] = why

@@ -160,12 +160,12 @@ def test_each_layer_s_solves_plan_against_the_room_its_budget_leaves_them(monkey
     # not see torch's tensors); the CPU has no grant (host memory is one pool), so here the grant is made as an
     # accelerator's would be: the room, over the JAX arrays already live (torch's tensors read without a copy).
     from jgptq.parallel import memory
-    from jgptq_torch.pipeline import expert_chunks
+    from jgptq_torch.pipeline import solve
 
     float_model, ref, full = resume_tests.reference()
     opts = dict(resume_tests.OPTS, offload="cpu", device_budget=chunk_budget(float_model, full, 3))
     cpu = jax.devices("cpu")[0]
-    granted, seen, own_rule = [], [], expert_chunks.solve_limit
+    granted, seen, own_rule = [], [], solve.solve_limit
 
     def solve_limit(placement, i):
         assert own_rule(placement, i) is None                          # the CPU's own rule
@@ -180,7 +180,7 @@ def test_each_layer_s_solves_plan_against_the_room_its_budget_leaves_them(monkey
         seen.append(out[cpu])
         return out
 
-    monkeypatch.setattr(expert_chunks, "solve_limit", solve_limit)
+    monkeypatch.setattr(solve, "solve_limit", solve_limit)
     monkeypatch.setattr(memory, "free_bytes", free_bytes)
     model = copy.deepcopy(float_model)
     result = jgptq.quantize_moe(model, resume_tests.CALIB, **opts)
@@ -196,11 +196,11 @@ def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
     # the plan's room, but never more than the budget less torch's reserved bytes (blocks its forwards cached)
     import types
 
-    from jgptq_torch.pipeline import expert_chunks
+    from jgptq_torch.pipeline import solve
     from jgptq_torch.pipeline.budget import Budget
 
     gpu = object()
-    monkeypatch.setattr(expert_chunks, "jax_device_for", lambda device: gpu)
+    monkeypatch.setattr(solve, "jax_device_for", lambda device: gpu)
     reserved = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
 
@@ -208,12 +208,12 @@ def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
         return types.SimpleNamespace(device=torch.device(device), solve_room={0: 600}, memory={},
                                      budget=Budget("cpu", limit, (100,), room=room))
 
-    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}
+    assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}
     reserved["bytes"] = 700
     tight = placement("cuda:0", limit=1000)
-    assert expert_chunks.solve_limit(tight, 0) == {gpu: 300} and tight.memory == {"solve_granted_least": 300}
-    assert expert_chunks.solve_limit(placement("cuda:0", room=800), 0) == {gpu: 100}
+    assert solve.solve_limit(tight, 0) == {gpu: 300} and tight.memory == {"solve_granted_least": 300}
+    assert solve.solve_limit(placement("cuda:0", room=800), 0) == {gpu: 100}
     reserved["bytes"] = 5000
-    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 0}
-    assert expert_chunks.solve_limit(placement("cuda:0", limit=1000), 1) is None   # no plan for the layer
-    assert expert_chunks.solve_limit(placement("cpu", limit=1000), 0) is None      # host memory: one pool
+    assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 0}
+    assert solve.solve_limit(placement("cuda:0", limit=1000), 1) is None   # no plan for the layer
+    assert solve.solve_limit(placement("cpu", limit=1000), 0) is None      # host memory: one pool

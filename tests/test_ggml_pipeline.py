@@ -12,6 +12,7 @@ from jgptq_torch.pipeline import importance
 from jgptq_torch.pipeline import layerwise
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline import run_setup
+from jgptq_torch.pipeline import solve
 from jgptq import bucket, mixes, plan
 from jgptq.methods import gptq as gptq_method
 from jgptq.config import PipelineConfig
@@ -280,15 +281,15 @@ def test_importance_choices():
     rng = np.random.default_rng(0)
     entry = ImatrixEntry(rng.random((3, 8), dtype=np.float32), np.array([4, 0, 2], np.float32))
     h = rng.random((3, 8, 8)).astype(np.float32)
-    imatrix = importance.importance_of(PipelineConfig.build(None, format="q4_0"), entry, h, [4, 0, 2], 3)
+    imatrix = solve.importance_of(PipelineConfig.build(None, format="q4_0"), entry, h, [4, 0, 2], 3)
     np.testing.assert_array_equal(imatrix, entry.values())
     assert imatrix[1].tolist() == [1.0] * 8                       # no token: llama-quantize's 1.0
-    hess = importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
+    hess = solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
                                    [4, 0, 2], 3)
     np.testing.assert_array_equal(hess[[0, 2]], np.diagonal(h, axis1=1, axis2=2)[[0, 2]])
     assert hess[1].tolist() == [1.0] * 8
-    shared = importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
+    shared = solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
                                      ImatrixEntry(entry.sums[:1], entry.counts[:1]), h[0], [4, 4], 2)
     np.testing.assert_array_equal(shared, np.stack([np.diagonal(h[0])] * 2))
-    assert importance.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
+    assert solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
                                    [4, 0, 2], 3) is None

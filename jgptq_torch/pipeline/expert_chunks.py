@@ -47,7 +47,7 @@ import torch
 
 from jgptq.bucket import Solved, Stack
 from jgptq.imatrix import ImatrixEntry
-from jgptq_torch.dlpack import jax_device_for, to_torch
+from jgptq_torch.dlpack import to_torch
 from jgptq_torch.pipeline.budget import chunk_note
 from jgptq_torch.pipeline.importance import expert_rows
 from jgptq_torch.pipeline.solve import buckets
@@ -65,26 +65,6 @@ def device_room(device: torch.device, on_device: int):
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(ROOM_SHARE * (free + on_device))
-
-
-def solve_limit(placement, i: int):
-    """The memory limit granted to layer ``i``'s solves (:func:`jgptq.parallel.memory.granted`): {the run
-    device's JAX device: bytes} on an accelerator under a budget or a room, None on the CPU (host memory is one
-    pool, and JAX's arrays there include the torch tensors it reads without a copy) or without a plan.
-
-    The bytes are those the plan leaves to the layer's Hessians and solves
-    (:attr:`jgptq_torch.pipeline.budget.Verdict.solve_room`), and on CUDA never more than the budget (or room) less
-    what torch holds there now (``memory_reserved``: its tensors and the blocks its forwards cached, which the
-    estimate does not count). The run's least grant is recorded (``memory["solve_granted_least"]``)."""
-    room = placement.solve_room.get(i)
-    if room is None or placement.device.type == "cpu":
-        return None
-    if placement.device.type == "cuda":
-        budget = placement.budget
-        target = budget.limit if budget.limit is not None else budget.room
-        room = min(room, max(0, target - torch.cuda.memory_reserved(placement.device)))
-    placement.memory["solve_granted_least"] = min(room, placement.memory.get("solve_granted_least", room))
-    return {jax_device_for(placement.device): room}
 
 
 def say_plan(placement, progress: bool) -> None:

@@ -4,17 +4,19 @@ encoders get from it (which format each weight gets is :mod:`jgptq.plan`'s decis
 - :func:`layer_imatrix`: the statistic of one calibrated layer by model parameter name
   (:class:`jgptq.imatrix.ImatrixEntry`: per expert, routed tokens only), of a chunk of its experts
   (:func:`span_entries` takes a chunk's rows of a whole layer's);
-- :func:`check_imatrix`: a user-given statistic checked against every target weight before any work;
-- :func:`importance_of`: the per-column importance handed to the encoders (``PipelineConfig.importance``).
+- :func:`check_imatrix`: a user-given statistic checked against every target weight before any work.
+
+The per-column importance handed to the encoders is made from it with the solve's inputs
+(:func:`jgptq_torch.pipeline.solve.importance_of`).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
 import numpy as np
 
-from jgptq.imatrix import ImatrixEntry, hessian_importance
+from jgptq.imatrix import ImatrixEntry
 
 
 def target_weights(prefix: str, layer_idx: int, target):
@@ -85,19 +87,3 @@ def layer_entries(imatrix: Mapping, prefix: str, layer_idx: int, target) -> dict
     """The entries of ``imatrix`` that belong to the weights of one layer."""
     return {p: imatrix[p] for p, _, _ in target_weights(prefix, layer_idx, target) if p in imatrix}
 
-
-def importance_of(cfg, entry: Optional[ImatrixEntry], hessian, tokens, n: int):
-    """float32 (N, C) importance of a part for the GGML encoders, or None (``importance="none"``).
-
-    Args:
-      entry: the weight's imatrix entry (collected or given); hessian: the part's Hessian (C, C), (N, C, C) or
-        None; tokens: the N token counts; n: N.
-    """
-    if cfg.importance == "none":
-        return None
-    if cfg.importance == "imatrix":
-        values = entry.values()
-        return np.broadcast_to(values.reshape(-1, values.shape[-1]), (n, values.shape[-1])).astype(np.float32)
-    if hessian is None:   # never reached: llama.cpp's 1.0 everywhere
-        return None if entry is None else np.ones((n, entry.sums.shape[-1]), np.float32)
-    return hessian_importance(hessian, tokens, n)

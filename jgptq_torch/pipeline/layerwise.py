@@ -60,7 +60,6 @@ import torch
 
 from jgptq import statistics, xla_options
 from jgptq.config import PipelineConfig
-from jgptq.parallel import memory
 from jgptq_torch import models
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
@@ -73,6 +72,7 @@ from jgptq_torch.pipeline import (
     measure,
     prescale,
     run_setup,
+    solve,
 )
 from jgptq_torch.pipeline.calibrate import calibrate
 from jgptq_torch.pipeline.inputs import capture_inputs
@@ -80,7 +80,6 @@ from jgptq_torch.pipeline.layer_state import run_layer
 from jgptq_torch.pipeline.measure import EXPERT_ROW_STRIDE, EXPERT_SHARE
 from jgptq_torch.pipeline.run_setup import Run
 from jgptq_torch.pipeline.sensitivity import FirstPass, assignment_of
-from jgptq_torch.pipeline.solve import layer_stacks, solve_layer
 from jgptq_torch.pipeline.step import Hooks, LayerStep
 from jgptq_torch.progress import LayerProgress, stage_bar
 from jgptq_torch.report import ModuleRecord, QuantizeResult
@@ -273,15 +272,15 @@ def _solve(run: Run, step: LayerStep) -> tuple:
     given = run.given if run.given is not None else step.imatrix
     stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
     run.hooks.before_solve(run, step)   # before the matrices are read: a pre-scaling method folds its scales in
-    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, span, step.scales)
+    limit = solve.solve_limit(run.placement, i)   # the solves' bytes on the device: torch's share stays torch's
+    stacks = solve.layer_stacks(collector, target, base, run.plan, run.cfg, stats, span, step.scales)
     for name, counts in collector.routed.items():
         if collector.batch_tokens and not sum(counts):
             raise models.UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "
                                                f"implementation; its routed tokens cannot be seen")
         report.coverage[f"{base}.{name}"] = list(counts)
         report.thresholds[f"{base}.{name}"] = threshold
-    with memory.granted(expert_chunks.solve_limit(run.placement, i)):   # torch's share stays torch's
-        solved = solve_layer(stacks, run.plan, threshold, devices=run.devices)
+    solved = solve.solve_layer(stacks, run.plan, threshold, devices=run.devices, memory_limit=limit)
     collector.release()
     report.add_time(i, "solve", time.perf_counter() - t0)
     return solved, own

@@ -20,12 +20,15 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import torch
 
 from jgptq_torch.pipeline import importance
-from jgptq_torch.dlpack import to_jax
+from jgptq_torch.dlpack import jax_device_for, to_jax
 from jgptq import methods, parallel
 from jgptq import statistics as stats_mod
 from jgptq.bucket import Stack, compiled_decode, quantize_bucket
+from jgptq.imatrix import ImatrixEntry, hessian_importance
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
         param = m.param_name(base)
         imp = None
         if plan.matrices[param].quant.is_ggml:
-            imp = importance.importance_of(cfg, stats.get(param), h, tokens, hi - lo)
+            imp = importance_of(cfg, stats.get(param), h, tokens, hi - lo)
         weight = m.weight()
         weight = to_jax(weight if (lo, hi) == (0, m.count) else weight[lo:hi], name=m.name)
         hkey = "" if key is None else f"{base}.{key if m.layout is None else m.module_name + '.' + key[1]}"
@@ -76,17 +79,55 @@ def layer_stacks(collector, target, base: str, plan, cfg, stats: dict, span=None
     return out
 
 
-def solve_layer(stacks: list, plan, threshold: int, *, devices=None) -> list:
+def importance_of(cfg, entry: Optional[ImatrixEntry], hessian, tokens, n: int):
+    """float32 (N, C) importance of a part for the GGML encoders, or None (``importance="none"``).
+
+    Args:
+      entry: the weight's imatrix entry (collected or given); hessian: the part's Hessian (C, C), (N, C, C) or
+        None; tokens: the N token counts; n: N.
+    """
+    if cfg.importance == "none":
+        return None
+    if cfg.importance == "imatrix":
+        values = entry.values()
+        return np.broadcast_to(values.reshape(-1, values.shape[-1]), (n, values.shape[-1])).astype(np.float32)
+    if hessian is None:   # never reached: llama.cpp's 1.0 everywhere
+        return None if entry is None else np.ones((n, entry.sums.shape[-1]), np.float32)
+    return hessian_importance(hessian, tokens, n)
+
+
+def solve_layer(stacks: list, plan, threshold: int, *, devices=None, memory_limit=None) -> list:
     """Quantizes a layer's (Matrix, parameter name, Stack) triples, one :func:`quantize_bucket` call per bucket
     (experts or linear, rows, columns, plan; routed experts below the layer's expert ``threshold`` of tokens fall
-    back, other matrices only when never reached: :meth:`jgptq.bucket.MatrixPlan.threshold`); returns
-    [(Matrix, parameter name, Stack, :class:`jgptq.bucket.Solved`)] in bucket order."""
+    back, other matrices only when never reached: :meth:`jgptq.bucket.MatrixPlan.threshold`), each within
+    ``memory_limit`` (:func:`solve_limit`); returns [(Matrix, parameter name, Stack, :class:`jgptq.bucket.Solved`)]
+    in bucket order."""
     out = []
     for key, group in buckets(stacks, plan):
         solved = quantize_bucket([s for _, _, s in group], key[3], threshold=key[3].threshold(threshold),
-                                 devices=devices)
+                                 devices=devices, memory_limit=memory_limit)
         out += [(m, param, s, r) for (m, param, s), r in zip(group, solved)]
     return out
+
+
+def solve_limit(placement, i: int):
+    """The memory limit of layer ``i``'s solves (:func:`jgptq.bucket.quantize_bucket`'s ``memory_limit``): {the run
+    device's JAX device: bytes} on an accelerator under a budget or a room, None on the CPU (host memory is one
+    pool, and JAX's arrays there include the torch tensors it reads without a copy) or without a plan.
+
+    The bytes are those the plan leaves to the layer's Hessians and solves
+    (:attr:`jgptq_torch.pipeline.budget.Verdict.solve_room`), and on CUDA never more than the budget (or room) less
+    what torch holds there now (``memory_reserved``: its tensors and the blocks its forwards cached, which the
+    estimate does not count). The run's least grant is recorded (``memory["solve_granted_least"]``)."""
+    room = placement.solve_room.get(i)
+    if room is None or placement.device.type == "cpu":
+        return None
+    if placement.device.type == "cuda":
+        budget = placement.budget
+        target = budget.limit if budget.limit is not None else budget.room
+        room = min(room, max(0, target - torch.cuda.memory_reserved(placement.device)))
+    placement.memory["solve_granted_least"] = min(room, placement.memory.get("solve_granted_least", room))
+    return {jax_device_for(placement.device): room}
 
 
 def buckets(items, plan) -> list:
