@@ -52,8 +52,14 @@ class StreamedLayers:
 
     def arrive(self, i: int, device) -> None:
         """Reads decoder layer ``i``'s tensors from the checkpoint onto ``device`` (transformers' conversions
-        applied). Raises :class:`jgptq_torch.source.checkpoint.SourceError` for a layer the checkpoint lacks."""
+        applied). Raises :class:`jgptq_torch.source.checkpoint.SourceError` for a layer the checkpoint lacks.
+
+        On CUDA the blocks torch cached while reading go back to the device: the stored tensors, their
+        dequantization and transformers' per-expert pieces before they are fused take about as much again as the
+        layer, and held in torch's cache they would be out of reach of the layer's Hessians and solves."""
         self.source.load(f"decoder layer {i} ({self.prefix}.{i})", i, device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
     def leave(self, i: int) -> None:
         """Releases decoder layer ``i`` to the meta device (after :attr:`on_leave`, when set)."""
