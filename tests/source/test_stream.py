@@ -184,3 +184,20 @@ def test_tensors_of_no_layer_are_said_and_left_out(tmp_path):
     with pytest.warns(UserWarning, match=r"1 checkpoint tensors belong to no part .*model\.layers\.2\.eh_proj"):
         source.skeleton()
     assert all("layers.2." not in k for part in (0, 1, "embedding", "outside") for k in source.part_of(part))
+
+
+def test_a_layer_read_onto_cuda_gives_torch_s_cached_blocks_back(monkeypatch):
+    # reading, dequantizing and fusing a layer caches about as much again as the layer in torch's allocator; on
+    # CUDA that goes back to the device once the layer is in place (the solves' room), never on the CPU
+    import types
+
+    from jgptq_torch.source.stream import StreamedLayers
+
+    loads, emptied = [], []
+    layers = StreamedLayers.__new__(StreamedLayers)
+    layers.prefix = "model.layers"
+    layers.source = types.SimpleNamespace(load=lambda names, i, device: loads.append((i, str(device))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(len(loads)))
+    layers.arrive(0, "cpu")
+    layers.arrive(1, torch.device("cuda:0"))
+    assert loads == [(0, "cpu"), (1, "cuda:0")] and emptied == [2]       # after the CUDA read, not before
