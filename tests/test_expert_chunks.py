@@ -195,7 +195,8 @@ def test_each_layer_s_solves_plan_against_the_room_its_budget_leaves_them(monkey
 
 
 def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
-    # the plan's room, but never more than the budget less torch's reserved bytes (blocks its forwards cached)
+    # the plan's room, but never more than the budget less torch's reserved bytes, once its cache has given its
+    # free blocks back (the calibration forwards' intermediates would otherwise count against the solves)
     import types
 
     from jgptq_torch.pipeline import solve
@@ -203,19 +204,21 @@ def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
 
     gpu = object()
     monkeypatch.setattr(solve, "jax_device_for", lambda device: gpu)
-    reserved = {"bytes": 0}
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved["bytes"])
+    torch_side = {"tensors": 0, "cached": 0}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: sum(torch_side.values()))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: torch_side.update(cached=0))
 
     def placement(device, limit=None, room=None):
         return types.SimpleNamespace(device=torch.device(device), solve_room={0: 600}, memory={},
                                      budget=Budget("cpu", limit, (100,), room=room))
 
     assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}
-    reserved["bytes"] = 700
+    torch_side.update(tensors=700, cached=200)
     tight = placement("cuda:0", limit=1000)
     assert solve.solve_limit(tight, 0) == {gpu: 300} and tight.memory == {"solve_granted_least": 300}
+    assert torch_side["cached"] == 0
     assert solve.solve_limit(placement("cuda:0", room=800), 0) == {gpu: 100}
-    reserved["bytes"] = 5000
+    torch_side.update(tensors=5000)
     assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 0}
     assert solve.solve_limit(placement("cuda:0", limit=1000), 1) is None   # no plan for the layer
     assert solve.solve_limit(placement("cpu", limit=1000), 0) is None      # host memory: one pool

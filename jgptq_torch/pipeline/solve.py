@@ -117,12 +117,15 @@ def solve_limit(placement, i: int):
 
     The bytes are those the plan leaves to the layer's Hessians and solves
     (:attr:`jgptq_torch.pipeline.budget.Verdict.solve_room`), and on CUDA never more than the budget (or room) less
-    what torch holds there now (``memory_reserved``: its tensors and the blocks its forwards cached, which the
-    estimate does not count). The run's least grant is recorded (``memory["solve_granted_least"]``)."""
+    what torch holds there now (``memory_reserved``: its tensors, which the estimate may not count in full). The blocks torch's cache holds free (the calibration forwards' intermediates, the
+    write-back of a chunk before) are given back to the device first: only torch's tensors count against the
+    solves, and torch takes its blocks again when it needs them. The run's least grant is recorded
+    (``memory["solve_granted_least"]``)."""
     room = placement.solve_room.get(i)
     if room is None or placement.device.type == "cpu":
         return None
     if placement.device.type == "cuda":
+        torch.cuda.empty_cache()
         budget = placement.budget
         target = budget.limit if budget.limit is not None else budget.room
         room = min(room, max(0, target - torch.cuda.memory_reserved(placement.device)))
