@@ -212,8 +212,10 @@ def test_simulated_limits_and_errors(problem, monkeypatch):
         jp.solve_experts(problem["w"], problem["h"][:3], CFG)
     with pytest.raises(ValueError, match="disagree on the number of experts"):
         jp.solve_experts(list(problem["w"][:2]), list(problem["h"][:3]), CFG, check=False)
-    with pytest.raises(MemoryError, match="no device has room"):
+    with pytest.raises(MemoryError, match="no device has room.*the memory_limit argument"):
         jp.plan_solve(problem["w"], problem["h"], CFG, devices=[dev], memory_limit=1000)
+    with memory.granted(1000), pytest.raises(MemoryError, match=r"limit \(1000 bytes .*granted to this solve"):
+        jp.plan_solve(problem["w"], problem["h"], CFG, devices=[dev])
 
 
 def test_bucket_by_shape_and_solve_named(problem, reference):

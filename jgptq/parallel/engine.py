@@ -177,7 +177,8 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     working = [d for d in devices if not limited or capacity(d, 1) >= 1]
     if not working:
         raise MemoryError(f"no device has room for one expert: one needs {peak_of(1, 1)} bytes, the most free on "
-                          f"a device is {max(free.values())} bytes ({len(devices)} devices)")
+                          f"a device is {max(free.values())} bytes ({len(devices)} devices)"
+                          f"{memory.limit_note(devices, memory_limit)}")
     idle = tuple(d for d in devices if d not in working)
     if idle:
         log.warning("devices without room for one expert take no work: %s", [str(d) for d in idle])

@@ -74,6 +74,22 @@ def _limit_for(device, memory_limit: Limit) -> Optional[int]:
     return parse_bytes(memory_limit)
 
 
+def limit_note(devices, memory_limit: Limit = None) -> str:
+    """Where the limit on ``devices`` comes from, for messages: ``""`` when none bounds them but their own
+    memory."""
+    limits = {d: _limit_for(d, memory_limit) for d in devices}
+    if all(v is None for v in limits.values()):
+        return ""
+    if memory_limit is not None:
+        source = "the memory_limit argument"
+    elif _GRANTED.get() is not None:
+        source = "the room granted to this solve by its caller (e.g. the part of a device budget torch does not hold)"
+    else:
+        source = f"the environment variable {ENV_LIMIT}"
+    most = max(v for v in limits.values() if v is not None)
+    return f"; the limit ({most} bytes at most a device) is {source}"
+
+
 def live_bytes(devices) -> dict:
     """Bytes of live JAX arrays held on each of ``devices`` (the CPU stand-in for ``bytes_in_use``)."""
     wanted = set(devices)
