@@ -213,6 +213,8 @@ def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
                                      budget=Budget("cpu", limit, (100,), room=room))
 
     assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}
+    torch_side.update(tensors=100, cached=200)                            # room enough: the cache stays
+    assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600} and torch_side["cached"] == 200
     torch_side.update(tensors=700, cached=200)
     tight = placement("cuda:0", limit=1000)
     assert solve.solve_limit(tight, 0) == {gpu: 300} and tight.memory == {"solve_granted_least": 300}

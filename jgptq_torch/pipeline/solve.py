@@ -117,18 +117,23 @@ def solve_limit(placement, i: int):
 
     The bytes are those the plan leaves to the layer's Hessians and solves
     (:attr:`jgptq_torch.pipeline.budget.Verdict.solve_room`), and on CUDA never more than the budget (or room) less
-    what torch holds there now (``memory_reserved``: its tensors, which the estimate may not count in full). The blocks torch's cache holds free (the calibration forwards' intermediates, the
-    write-back of a chunk before) are given back to the device first: only torch's tensors count against the
-    solves, and torch takes its blocks again when it needs them. The run's least grant is recorded
-    (``memory["solve_granted_least"]``)."""
+    what torch holds there now (``memory_reserved``: its tensors, which the estimate may not count in full, and its
+    cache). When torch's holding would cut the plan's room, its cache gives its free blocks (the calibration
+    forwards' intermediates, a chunk's write-back) back to the device first, so that only its tensors count. The
+    run's least grant is recorded (``memory["solve_granted_least"]``)."""
     room = placement.solve_room.get(i)
     if room is None or placement.device.type == "cpu":
         return None
     if placement.device.type == "cuda":
-        torch.cuda.empty_cache()
         budget = placement.budget
         target = budget.limit if budget.limit is not None else budget.room
-        room = min(room, max(0, target - torch.cuda.memory_reserved(placement.device)))
+
+        def beside_torch():
+            return max(0, target - torch.cuda.memory_reserved(placement.device))
+
+        if beside_torch() < room:    # only when they stand in the way: torch mallocs them again after
+            torch.cuda.empty_cache()
+        room = min(room, beside_torch())
     placement.memory["solve_granted_least"] = min(room, placement.memory.get("solve_granted_least", room))
     return {jax_device_for(placement.device): room}
 
