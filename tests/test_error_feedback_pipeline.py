@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jgptq
-from jgptq_torch.pipeline import experts_capture, layerwise
+from jgptq_torch.pipeline import experts_capture, solve
 from jgptq_torch.pipeline.experts_capture import experts_implementation
 from tests.tiny_models import build, chunk_budget, token_ids
 
@@ -28,14 +28,14 @@ def _calib(n=8, length=32, pad=True):
 def _recording_stacks(monkeypatch):
     """Layer index -> {stack name: Stack} of what the solves get."""
     seen: dict = {}
-    original = layerwise.layer_stacks
+    original = solve.layer_stacks
 
     def record(collector, target, base, *args, **kwargs):
         out = original(collector, target, base, *args, **kwargs)
         seen.setdefault(int(base.rsplit(".", 1)[1]), {}).update({s.name: s for _, _, s in out})
         return out
 
-    monkeypatch.setattr(layerwise, "layer_stacks", record)
+    monkeypatch.setattr(solve, "layer_stacks", record)
     return seen
 
 

@@ -235,7 +235,6 @@ def test_same_weights_with_one_and_four_devices(tmp_path):
 def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
     """The first layer's solve programs are compiled on a background thread during its calibration (on
     accelerators; forced here): the solve then compiles nothing new, and the bytes are those of a run without."""
-    from jgptq_torch.pipeline import layerwise
     from jgptq_torch.pipeline import solve
     from jgptq.parallel import engine
     from tests.cli import test_resume as resume_tests
@@ -249,7 +248,7 @@ def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
     from tests.test_warm_up import _drained_join      # every job compiled, whatever the host's cores
     monkeypatch.setattr(solve.Warming, "join", _drained_join)
     seen = {}
-    solve_layer = layerwise.solve_layer
+    solve_layer = solve.solve_layer
 
     def watch(*args, **kwargs):
         seen.setdefault("before", set(engine._compiled))
@@ -257,7 +256,7 @@ def test_solve_programs_compiled_ahead_are_the_ones_the_solve_runs(monkeypatch):
         seen.setdefault("after", set(engine._compiled))
         return out
 
-    monkeypatch.setattr(layerwise, "solve_layer", watch)
+    monkeypatch.setattr(solve, "solve_layer", watch)
     model = copy.deepcopy(float_model)
     result = jgptq.quantize_moe(model, calib, **resume_tests.OPTS)
     resume_tests.assert_same(ref, full, model, result)

@@ -87,7 +87,7 @@ def test_warmed_programs_are_the_ones_the_solve_runs_same_bytes(opts, monkeypatc
     float_model = build("qwen3_moe", num_hidden_layers=1)
     ref_model, ref = _run(float_model, opts, monkeypatch, "0")
     phases: dict = {}
-    solve_layer = layerwise.solve_layer
+    solve_layer = solve.solve_layer
 
     def watch(*args, **kwargs):
         phases["warm"] = list(compiles.seen)
@@ -96,7 +96,7 @@ def test_warmed_programs_are_the_ones_the_solve_runs_same_bytes(opts, monkeypatc
         phases["solve"] = list(compiles.seen)
         return out
 
-    monkeypatch.setattr(layerwise, "solve_layer", watch)
+    monkeypatch.setattr(solve, "solve_layer", watch)
     with Compiles() as compiles:
         model, result = _run(float_model, opts, monkeypatch, "1")
     _assert_same(ref_model, ref, model, result)
