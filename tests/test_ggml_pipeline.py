@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import jgptq
-from jgptq_torch.pipeline import importance
 from jgptq_torch.pipeline import layerwise
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline import run_setup
@@ -285,11 +284,11 @@ def test_importance_choices():
     np.testing.assert_array_equal(imatrix, entry.values())
     assert imatrix[1].tolist() == [1.0] * 8                       # no token: llama-quantize's 1.0
     hess = solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"), entry, h,
-                                   [4, 0, 2], 3)
+                               [4, 0, 2], 3)
     np.testing.assert_array_equal(hess[[0, 2]], np.diagonal(h, axis1=1, axis2=2)[[0, 2]])
     assert hess[1].tolist() == [1.0] * 8
     shared = solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="hessian"),
-                                     ImatrixEntry(entry.sums[:1], entry.counts[:1]), h[0], [4, 4], 2)
+                                 ImatrixEntry(entry.sums[:1], entry.counts[:1]), h[0], [4, 4], 2)
     np.testing.assert_array_equal(shared, np.stack([np.diagonal(h[0])] * 2))
     assert solve.importance_of(PipelineConfig.build(None, format="q4_0", importance="none"), entry, h,
-                                   [4, 0, 2], 3) is None
+                               [4, 0, 2], 3) is None

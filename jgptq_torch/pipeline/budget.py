@@ -246,6 +246,11 @@ class Budget:
             raise ValueError(f"offload mode {self.mode!r}: expected one of {MODES}")
 
     @property
+    def target(self) -> Optional[int]:
+        """The bytes a layer's work is planned against: the limit, else the room (None: neither)."""
+        return self.limit if self.limit is not None else self.room
+
+    @property
     def offloaded(self) -> bool:
         """Whether the layers move by the offload mode (``cpu`` or ``disk``): one at a time on the device."""
         return self.mode != "none"
@@ -286,7 +291,7 @@ class Budget:
         """(chunk sizes or None, :class:`LayerNeed`) of layer ``i`` needing ``work`` (a :class:`LayerWork` or a
         fixed :class:`LayerNeed`): whole when it fits the limit (or :attr:`room`) or has no experts to split; else
         the most experts per chunk that fit, in balanced chunks; one expert per chunk when none fits."""
-        whole, target = work.need(), self.limit if self.limit is not None else self.room
+        whole, target = work.need(), self.target
         fixed = self.fixed(i, ahead, offloaded)
         if target is None or work.experts < 2 or fixed + whole.total <= target:
             return None, whole
@@ -315,9 +320,8 @@ class Budget:
         worst = max(range(n), key=lambda i: self.total(chosen, i, ahead=ahead))
         need, total = chosen[worst], self.total(chosen, worst, ahead=ahead)
         chunks = {i: sizes for i, (sizes, _) in enumerate(plans) if sizes}
-        target = self.limit if self.limit is not None else self.room
-        rooms = {} if target is None else {
-            i: max(0, target - self.fixed(i, ahead) - n.parameters - n.activations) for i, n in enumerate(chosen)}
+        rooms = {} if self.target is None else {
+            i: max(0, self.target - self.fixed(i, ahead) - n.parameters - n.activations) for i, n in enumerate(chosen)}
         verdict = Verdict(ahead, worst, need, total, chunks=chunks, solve_room=rooms)
         if self.limit is None or total <= self.limit:
             return verdict

@@ -168,7 +168,7 @@ class Placement:
         self.peak = self.peak_host = 0
         self.needs: list = []
         self.chunks: dict = {}                       # layer -> sizes of its chunks of routed experts
-        self.solve_room: dict = {}                   # layer -> bytes its solves may hold (expert_chunks.solve_limit)
+        self.solve_room: dict = {}                   # layer -> bytes its solves may hold (solve.solve_limit)
         # moves run ahead (next layer in, finished layer out, beside the work) unless layers share tensors
         shared = len(in_layers) != sum(len(unique_tensors(la)) for la in layers)
         self.ahead = self.budget.moves_ahead(shared, moves_ahead_on(device) if ahead is None else ahead)
@@ -206,7 +206,6 @@ class Placement:
         self.chunks, self.memory["expert_chunks"] = verdict.chunks, chunk_summary(verdict.chunks)
         self.solve_room = verdict.solve_room
         verdict.raise_if_over()
-
 
     def check_activations(self, measured: int) -> None:
         """Re-checks the budget with the activation bytes measured after the capture."""

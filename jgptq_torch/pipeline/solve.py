@@ -125,11 +125,8 @@ def solve_limit(placement, i: int):
     if room is None or placement.device.type == "cpu":
         return None
     if placement.device.type == "cuda":
-        budget = placement.budget
-        target = budget.limit if budget.limit is not None else budget.room
-
         def beside_torch():
-            return max(0, target - torch.cuda.memory_reserved(placement.device))
+            return max(0, placement.budget.target - torch.cuda.memory_reserved(placement.device))
 
         if beside_torch() < room:    # only when they stand in the way: torch mallocs them again after
             torch.cuda.empty_cache()
