@@ -203,13 +203,12 @@ def test_on_cuda_the_grant_leaves_torch_what_it_holds(monkeypatch):
     from jgptq_torch.pipeline.budget import Budget
 
     gpu = object()
-    monkeypatch.setattr(solve, "jax_device_for", lambda device: gpu)
     torch_side = {"tensors": 0, "cached": 0}
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: sum(torch_side.values()))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: torch_side.update(cached=0))
 
     def placement(device, limit=None, room=None):
-        return types.SimpleNamespace(device=torch.device(device), solve_room={0: 600}, memory={},
+        return types.SimpleNamespace(device=torch.device(device), jax_device=gpu, solve_room={0: 600}, memory={},
                                      budget=Budget("cpu", limit, (100,), room=room))
 
     assert solve.solve_limit(placement("cuda:0", limit=1000), 0) == {gpu: 600}

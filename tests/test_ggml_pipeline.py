@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import jgptq
-from jgptq_torch.pipeline import layerwise
+from jgptq_torch import models
 from jgptq_torch.pipeline import resume
 from jgptq_torch.pipeline import run_setup
 from jgptq_torch.pipeline import solve
@@ -182,7 +182,7 @@ def test_block_size_is_checked_before_any_work_and_fallback_is_reported():
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight: 64 input columns are not a "
                                          r"multiple of the q4_k block size 256"):
         jgptq.quantize_moe(model, CALIB, format="q4_k", **OPTS)
-    layers = layerwise.models.find_decoder_layers(model)[1]
+    layers = models.find_decoder_layers(model)[1]
     cfg = PipelineConfig.build(None, format="q4_k", block_fallback="llama.cpp")
     formats, notes = _formats("model.layers", layers, cfg)
     assert set(formats.values()) == {"q5_0"} and len(notes) == len(formats)
@@ -211,7 +211,7 @@ def test_config_errors():
 
 def _preset_formats(family, preset, layers):
     model = build(family, num_hidden_layers=layers)
-    prefix, decoder = layerwise.models.find_decoder_layers(model)
+    prefix, decoder = models.find_decoder_layers(model)
     cfg = PipelineConfig.build(None, mix=preset, block_fallback="llama.cpp")
     return prefix, _formats(prefix, decoder, cfg)[0]
 

@@ -49,7 +49,8 @@ def test_mix_matches_llama_model_quantize(shape, tmp_path, monkeypatch):
     from benchmarks.quality import llama_side
     from jgptq_torch.export.gguf.arch import gguf_names
     from jgptq_torch.export.gguf.export import export_gguf
-    from jgptq_torch.pipeline import layerwise, run_setup
+    from jgptq_torch import models
+    from jgptq_torch.pipeline import run_setup
 
     monkeypatch.setitem(llama_side.MIX_FTYPES, "mxfp4_moe", "LLAMA_FTYPE_MOSTLY_MXFP4_MOE")
     model = _tiny_qwen3_moe(*shape)
@@ -59,7 +60,7 @@ def test_mix_matches_llama_model_quantize(shape, tmp_path, monkeypatch):
     dst = str(tmp_path / "mxfp4_moe.gguf")
     llama_side.quantize(src, dst, "mxfp4_moe", imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)
-    prefix, layers = layerwise.models.find_decoder_layers(model)
+    prefix, layers = models.find_decoder_layers(model)
     _, planned = run_setup.plan_layers(prefix, layers, PipelineConfig.build(None, mix="mxfp4_moe"))
     names = gguf_names(model)
     seen = {}

@@ -80,7 +80,8 @@ def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     from jgptq import PipelineConfig
     from jgptq_torch.export.gguf.arch import gguf_names
     from jgptq_torch.export.gguf.export import export_gguf
-    from jgptq_torch.pipeline import layerwise, run_setup
+    from jgptq_torch import models
+    from jgptq_torch.pipeline import run_setup
 
     model = _tiny_qwen3_moe(*shape)
     src = str(tmp_path / "f32.gguf")
@@ -89,7 +90,7 @@ def test_preset_formats_match_llama_model_quantize(preset, shape, tmp_path):
     dst = str(tmp_path / f"{preset}.gguf")
     llama_side.quantize(src, dst, preset, imatrix, keep_type="F32", threads=1)
     written = llama_side.tensor_types(dst)
-    prefix, layers = layerwise.models.find_decoder_layers(model)
+    prefix, layers = models.find_decoder_layers(model)
     _, plan = run_setup.plan_layers(prefix, layers, PipelineConfig.build(None, mix=preset))
     names = gguf_names(model)
     compared = 0

@@ -39,8 +39,8 @@ class CheckpointSink:
       **options: passed on to the exporter (``group_actorder=True`` for compressed-tensors; ``workers=N``: threads
         packing records ahead of the writer thread, default :func:`jgptq.export.pool.default_workers`).
     Raises:
-      ExportError: an unknown kind (a GGUF file streams with :class:`GGUFSink`); FileExistsError: a non-empty
-        output without ``overwrite``.
+      ExportError: an unknown kind (a GGUF file streams with :class:`GGUFSink`); FileExistsError (at
+        :meth:`start`, before any layer is read): a non-empty output without ``overwrite``.
     """
 
     releases_records = True   # the pipeline drops each layer's records once handed here
@@ -50,7 +50,7 @@ class CheckpointSink:
         if kind not in ("compressed-tensors", "gptq"):
             raise ckpt_mod.ExportError(f"CheckpointSink writes 'compressed-tensors' or 'gptq' folders, not {kind!r}"
                                        f" (a GGUF file streams with GGUFSink)")
-        self.kind, self.out, self.layers = kind, check_output_dir(out_dir, overwrite), layers
+        self.kind, self.out, self.layers = kind, Path(out_dir), layers
         self.source_dir, self.tokenizer, self.overwrite = source_dir, tokenizer, overwrite
         self.max_shard_bytes = max_shard_bytes or DEFAULT_SHARD_BYTES
         self.options = options
@@ -62,12 +62,13 @@ class CheckpointSink:
 
     # -- the pipeline's calls -----------------------------------------------------------------------------------
     def start(self, model, result) -> None:
-        """Called once the run's plan is known (``result``: its QuantizeResult, restored layers' records
-        included): checks the format, starts the writer thread."""
+        """Called once the run's plan is known, before any layer is read (``result``: its QuantizeResult,
+        restored layers' records included): checks the format and the output folder, starts the writer thread."""
         if self._thread is not None:
             raise ValueError(f"this CheckpointSink already took a run ({self.out}); make a new one for each run")
         quant = result.config.quant
         ckpt_mod.check_format(self.kind, quant)
+        check_output_dir(self.out, self.overwrite)
         self.model, self._result = model, result
         self._quantized = set(result.param_keys or {})
         self.layers.on_leave = self._keep

@@ -50,7 +50,6 @@ from jgptq.imatrix import ImatrixEntry
 from jgptq_torch.dlpack import to_torch
 from jgptq_torch.pipeline.budget import chunk_note
 from jgptq_torch.pipeline.importance import expert_rows
-from jgptq_torch.pipeline.solve import buckets
 from jgptq_torch.pipeline.stores import _HostCopies
 
 log = logging.getLogger(__name__)
@@ -95,21 +94,6 @@ def pass_target(target, span):
     return dataclasses.replace(target, linears={})
 
 
-def keep_hessians(kept: dict, i: int, collector, span) -> None:
-    """``keep_hessians``: the Hessians of layer ``i``'s pass of ``span`` into ``kept`` ((layer, key) -> (Hessian,
-    token counts)). A whole layer's as they are; a chunk's in host memory (numpy), an experts stack's per-expert
-    Hessians joined to the earlier chunks', one shared by every expert or a linear module's taken once."""
-    for key in collector.states:
-        h, tokens = collector.hessian(key)
-        have = kept.get((i, key))
-        if span is None:
-            kept[(i, key)] = (h, tokens)
-        elif have is None:
-            kept[(i, key)] = (np.asarray(h), tokens)
-        elif isinstance(tokens, list):
-            kept[(i, key)] = (np.concatenate([have[0], np.asarray(h)]), have[1] + tokens)
-
-
 class Passes:
     """The calibrate-and-solve passes of layer ``i``'s step: iterating gives (span, targets) of each pass (one
     chunk of routed experts each, or ``(None, every target)`` once when the layer goes whole); :meth:`add` takes
@@ -120,6 +104,7 @@ class Passes:
         self.index, self.target, self.base = i, run.targets[i], f"{run.prefix}.{i}"
         self.spans = spans(sizes) if sizes else [None]
         self.solved: list = []     # (Matrix, parameter name, Stack, Solved) of the linear targets (or all, whole)
+        self.order: dict = {}      # parameter name -> its place in the first pass's results (bucket order)
         self.entries: dict = {}    # parameter name -> the importance statistic of this layer's inputs
         self.parts: dict = {}      # experts parameter name -> [(Matrix, Stack, host Solved, entry)] per chunk
         self._copies = _HostCopies()
@@ -134,6 +119,8 @@ class Passes:
         if span is None:
             self.solved, self.entries = solved, entries
             return
+        if span[0] == 0:   # the first pass solves every target: its bucket order is the whole layer's
+            self.order = {param: k for k, (_, param, _, _) in enumerate(solved)}
         t0 = time.perf_counter()
         with torch.no_grad():
             for m, param, stack, res in solved:
@@ -161,4 +148,20 @@ class Passes:
         self.parts = {}
         entries = self.entries if imatrix is None else imatrix
         run.result.imatrix.update({p: entries[p] for p in (m.param_name(self.base) for m in self.target.matrices())})
-        return [item for _, group in buckets(self.solved, run.plan) for item in group]
+        if not self.order:   # one pass: its own order
+            return self.solved
+        return sorted(self.solved, key=lambda item: self.order[item[1]])
+
+    def write_back(self, run, solved: list) -> None:
+        """The layer's ``solved`` (:meth:`joined`) into the torch parameters in place, those not written yet (a
+        result without a weight was, a chunk at a time: :meth:`add`), dequantized; then to the run's stores
+        without their weights (the records are made beside the next layer)."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for m, _, _, res in solved:
+                if res.weight is not None:
+                    dst = m.weight()
+                    dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
+        run.stores.submit(self.index, run.names, [(m, param, dataclasses.replace(res, weight=None))
+                                                  for m, param, _, res in solved])
+        run.report.add_time(self.index, "write", time.perf_counter() - t0)

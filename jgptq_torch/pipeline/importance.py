@@ -83,6 +83,34 @@ def span_entries(entries: Mapping, prefix: str, layer_idx: int, target, span) ->
     return out
 
 
+def pass_statistics(run, step) -> tuple:
+    """What one calibrated pass of layer ``step.index`` leaves beside its solve: (its collector's importance
+    entries, :func:`layer_imatrix`; the entries its solve weighs with: the run's given imatrix or a hook's
+    (``step.imatrix``) when there is one, else its own). With ``keep_hessians``, the pass's Hessians go to the
+    result (:func:`keep_hessians`)."""
+    i, collector, span, target = step.index, step.collector, step.span, step.target
+    if run.cfg.keep_hessians:
+        keep_hessians(run.result.hessians, i, collector, span)
+    own = layer_imatrix(collector, run.prefix, i, target, span)
+    given = run.given if run.given is not None else step.imatrix
+    return own, (own if given is None else span_entries(given, run.prefix, i, target, span))
+
+
+def keep_hessians(kept: dict, i: int, collector, span) -> None:
+    """``keep_hessians``: the Hessians of layer ``i``'s pass of ``span`` into ``kept`` ((layer, key) -> (Hessian,
+    token counts)). A whole layer's as they are; a chunk's in host memory (numpy), an experts stack's per-expert
+    Hessians joined to the earlier chunks', one shared by every expert or a linear module's taken once."""
+    for key in collector.states:
+        h, tokens = collector.hessian(key)
+        have = kept.get((i, key))
+        if span is None:
+            kept[(i, key)] = (h, tokens)
+        elif have is None:
+            kept[(i, key)] = (np.asarray(h), tokens)
+        elif isinstance(tokens, list):
+            kept[(i, key)] = (np.concatenate([have[0], np.asarray(h)]), have[1] + tokens)
+
+
 def layer_entries(imatrix: Mapping, prefix: str, layer_idx: int, target) -> dict:
     """The entries of ``imatrix`` that belong to the weights of one layer."""
     return {p: imatrix[p] for p, _, _ in target_weights(prefix, layer_idx, target) if p in imatrix}

@@ -58,10 +58,8 @@ import warnings
 import jax
 import torch
 
-from jgptq import statistics, xla_options
+from jgptq import xla_options
 from jgptq.config import PipelineConfig
-from jgptq_torch import models
-from jgptq_torch.dlpack import to_torch
 from jgptq_torch.gpu_sharing import share_gpu_with_torch
 from jgptq_torch.pipeline import (
     capture,
@@ -231,10 +229,11 @@ def _layer_step(run: Run, i: int, layer, hidden: list, layer_inputs: list, stage
         if step.next_inputs is not None:   # a pass that measures (target_bpw's first): nothing is solved
             return step.next_inputs
         stage("solve")
-        passes.add(run, span, *_solve(run, step))
+        own, stats = importance.pass_statistics(run, step)
+        passes.add(run, span, solve.solve_pass(run, step, stats), own)
     solved = passes.joined(run, step.imatrix)
+    passes.write_back(run, solved)
     _report(run, step, solved)
-    _write_back(run, i, solved)
     if i == len(run.layers) - 1:
         return hidden
     stage("replay")
@@ -258,34 +257,6 @@ def _calibrate(run: Run, step: LayerStep) -> None:
     run.report.add_time(i, "calibrate", time.perf_counter() - t0)
 
 
-def _solve(run: Run, step: LayerStep) -> tuple:
-    """The pass's expert coverage, importance statistic (its collector's; the stacks' from a given imatrix or a
-    hook's, ``step.imatrix``, when there is one) and one quantize call per bucket. Returns (the solved
-    [(Matrix, parameter name, Stack, Solved)], the collector's importance entries)."""
-    t0 = time.perf_counter()
-    i, collector, span, target = step.index, step.collector, step.span, step.target
-    base, report = f"{run.prefix}.{i}", run.report
-    threshold = run.cfg.moe.threshold(collector.batch_tokens)
-    if run.cfg.keep_hessians:
-        expert_chunks.keep_hessians(run.result.hessians, i, collector, span)
-    own = importance.layer_imatrix(collector, run.prefix, i, target, span)
-    given = run.given if run.given is not None else step.imatrix
-    stats = own if given is None else importance.span_entries(given, run.prefix, i, target, span)
-    run.hooks.before_solve(run, step)   # before the matrices are read: a pre-scaling method folds its scales in
-    limit = solve.solve_limit(run.placement, i)   # the solves' bytes on the device: torch's share stays torch's
-    stacks = solve.layer_stacks(collector, target, base, run.plan, run.cfg, stats, span, step.scales)
-    for name, counts in collector.routed.items():
-        if collector.batch_tokens and not sum(counts):
-            raise models.UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "
-                                               f"implementation; its routed tokens cannot be seen")
-        report.coverage[f"{base}.{name}"] = list(counts)
-        report.thresholds[f"{base}.{name}"] = threshold
-    solved = solve.solve_layer(stacks, run.plan, threshold, devices=run.devices, memory_limit=limit)
-    collector.release()
-    report.add_time(i, "solve", time.perf_counter() - t0)
-    return solved, own
-
-
 def _report(run: Run, step: LayerStep, solved: list) -> None:
     """The report's records and warnings of the layer's solved stacks."""
     t0 = time.perf_counter()
@@ -293,21 +264,6 @@ def _report(run: Run, step: LayerStep, solved: list) -> None:
     for m, _, stack, res in solved:
         _record(run.report, step.index, m, stack, res, res.plan.threshold(threshold))
     run.report.add_time(step.index, "solve", time.perf_counter() - t0)
-
-
-def _write_back(run: Run, i: int, solved: list) -> None:
-    """Copies the dequantized weights into the torch parameters in place (those not written yet: a result without
-    a weight was, a chunk at a time); the records are made beside the next layer."""
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for m, _, _, res in solved:
-            if res.weight is None:
-                continue
-            dst = m.weight()
-            dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
-    run.stores.submit(i, run.names, [(m, param, dataclasses.replace(res, weight=None))
-                                     for m, param, _, res in solved])
-    run.report.add_time(i, "write", time.perf_counter() - t0)
 
 
 def _replay(run: Run, i: int, layer, hidden: list, layer_inputs: list) -> list:

@@ -46,6 +46,7 @@ import time
 import torch
 from torch import nn
 
+from jgptq_torch.dlpack import jax_device_for
 from jgptq_torch.pipeline.budget import (  # noqa: F401 - DeviceBudgetError: public here too
     Budget, DeviceBudgetError, LayerNeed, LayerWork, chunk_summary, estimate_need)
 from jgptq_torch.pipeline.expert_chunks import device_room
@@ -143,6 +144,8 @@ class Placement:
     def __init__(self, model, layers, cfg, device: torch.device, ahead=None, source=None):
         self.model, self.layers, self.device, self.mode, self.reload = model, layers, device, cfg.offload, cfg.reload
         self.folder = LayerFolder(cfg.offload_dir, cfg.keep_offload_files)
+        # the device's JAX twin, which keys the solves' grant (pipeline.solve.solve_limit); CUDA only
+        self.jax_device = jax_device_for(device) if device.type == "cuda" else None
         self.source = source     # layers read from a checkpoint folder (jgptq_torch.source.stream.StreamedLayers)
         if source is not None:
             self.mode = "stream"

@@ -98,13 +98,14 @@ class Layout(NamedTuple):
     weights: int
 
 
-def _layout(cfg, prefix: str, layers) -> Layout:
-    """The :class:`Layout` of the decoder ``layers`` (named ``prefix.<i>``) under ``cfg``: every matrix's rule,
+def _layout(cfg, model) -> tuple:
+    """(the :class:`Layout` of ``model``'s decoder layers under ``cfg``, their number): every matrix's rule,
     candidates, their sizes and plans, decided once by :func:`jgptq.choices.layout`.
 
     Raises:
       ValueError: a free matrix that no candidate fits.
     """
+    prefix, layers = models.find_decoder_layers(model)
     found = [models.layer_targets(layer) for layer in layers]
     n_expert = max([lay.num_experts for t in found for _, lay in t.experts.values()] or [0])
     matrices = {m.param_name(f"{prefix}.{i}"): (i, m) for i, t in enumerate(found) for m in t.matrices()}
@@ -113,7 +114,7 @@ def _layout(cfg, prefix: str, layers) -> Layout:
               for param, (i, m) in matrices.items()], len(layers), n_expert)
     free = {param: Free(i, group_name(m.name), m, {f: Candidate(*c) for f, c in options[param].items()})
             for param, (i, m) in matrices.items() if param in options}
-    return Layout(free, fixed, weights)
+    return Layout(free, fixed, weights), len(layers)
 
 
 def allocation_of(cfg, free: dict, fixed: dict, weights: int, costs: dict, gains) -> dict:
@@ -275,18 +276,18 @@ class FirstPass:
                  share: int = measure_mod.EXPERT_SHARE):
         from jgptq_torch.pipeline import resume as resume_mod
 
-        prefix, layers = models.find_decoder_layers(model)
-        self.cfg, self.layout = cfg, _layout(cfg, prefix, layers)
+        self.cfg = cfg
+        self.layout, n_layers = _layout(cfg, model)
         _check_reachable(cfg, *self.layout)   # before any work
         if cfg.progress:
-            print(plan_line(cfg, *self.layout, len(layers), stride, share), file=sys.stderr, flush=True)
+            print(plan_line(cfg, *self.layout, n_layers, stride, share), file=sys.stderr, flush=True)
         self.saved = None if checkpoint_dir is None else Path(checkpoint_dir) / ALLOCATION_FILE
         probe = cfg.build(cfg, target_bpw=None, target_formats=(), assignment=(),
                           quant=cfg.quant.replace(format="q8_0") if cfg.quant.is_ggml else cfg.quant)
         self.run = run_setup.prepare(model, calib, probe, tokenizer, device, devices, imatrix)
         self.key, self.allocation, self.gain_seconds = None, None, 0.0
         if self.saved is not None:
-            key = resume_mod.fingerprint(model, self.run.batch_list, cfg, len(layers), imatrix=imatrix)
+            key = resume_mod.fingerprint(model, self.run.batch_list, cfg, n_layers, imatrix=imatrix)
             self.key = {k: key[k] for k in ("model", "calibration", "config")}
         if self.saved is not None and resume and self.saved.exists():
             stored = json.loads(self.saved.read_text())

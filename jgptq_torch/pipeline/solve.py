@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from typing import Optional
 
 import jax
@@ -23,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jgptq_torch.models import UnsupportedModelError
 from jgptq_torch.pipeline import importance
-from jgptq_torch.dlpack import jax_device_for, to_jax
+from jgptq_torch.dlpack import to_jax
 from jgptq import methods, parallel
 from jgptq import statistics as stats_mod
 from jgptq.bucket import Stack, compiled_decode, quantize_bucket
@@ -96,6 +98,34 @@ def importance_of(cfg, entry: Optional[ImatrixEntry], hessian, tokens, n: int):
     return hessian_importance(hessian, tokens, n)
 
 
+def solve_pass(run, step, stats: dict) -> list:
+    """One pass of layer ``step.index``'s step (:class:`jgptq_torch.pipeline.step.LayerStep`): the hooks'
+    ``before_solve``, the pass's expert coverage into the report, then one quantize call per bucket
+    (:func:`solve_layer`) within the device's grant (:func:`solve_limit`), with ``stats`` (parameter name ->
+    importance statistic: :func:`jgptq_torch.pipeline.importance.pass_statistics`). Returns the solved [(Matrix,
+    parameter name, Stack, Solved)]; the pass's collector is released.
+
+    Raises:
+      UnsupportedModelError: an experts module whose forward never reached the capture."""
+    t0 = time.perf_counter()
+    i, collector, target, report = step.index, step.collector, step.target, run.report
+    base = f"{run.prefix}.{i}"
+    threshold = run.cfg.moe.threshold(collector.batch_tokens)
+    run.hooks.before_solve(run, step)   # before the matrices are read: a pre-scaling method folds its scales in
+    limit = solve_limit(run.placement, i)   # the solves' bytes on the device: torch's share stays torch's
+    stacks = layer_stacks(collector, target, base, run.plan, run.cfg, stats, step.span, step.scales)
+    for name, counts in collector.routed.items():
+        if collector.batch_tokens and not sum(counts):
+            raise UnsupportedModelError(f"{base}.{name}: the experts forward never reached jgptq's capture "
+                                        f"implementation; its routed tokens cannot be seen")
+        report.coverage[f"{base}.{name}"] = list(counts)
+        report.thresholds[f"{base}.{name}"] = threshold
+    solved = solve_layer(stacks, run.plan, threshold, devices=run.devices, memory_limit=limit)
+    collector.release()
+    report.add_time(i, "solve", time.perf_counter() - t0)
+    return solved
+
+
 def solve_layer(stacks: list, plan, threshold: int, *, devices=None, memory_limit=None) -> list:
     """Quantizes a layer's (Matrix, parameter name, Stack) triples, one :func:`quantize_bucket` call per bucket
     (experts or linear, rows, columns, plan; routed experts below the layer's expert ``threshold`` of tokens fall
@@ -132,7 +162,7 @@ def solve_limit(placement, i: int):
             torch.cuda.empty_cache()
         room = min(room, beside_torch())
     placement.memory["solve_granted_least"] = min(room, placement.memory.get("solve_granted_least", room))
-    return {jax_device_for(placement.device): room}
+    return {placement.jax_device: room}
 
 
 def buckets(items, plan) -> list:

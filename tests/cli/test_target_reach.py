@@ -36,12 +36,10 @@ def test_default_candidates_take_llama_cpp_fallbacks_for_widths_the_256_blocks_d
 
 
 def test_the_help_example_budget_is_reachable_on_a_model_with_128_wide_experts():
-    from jgptq_torch import models
-
     model = build("qwen3_moe", hidden_size=256, moe_intermediate_size=128, head_dim=64)   # o_proj 256 wide
     cfg = PipelineConfig.build(None, format="q4_k", target_bpw=2.5)
-    prefix, layers = models.find_decoder_layers(model)
-    free, fixed, weights = sensitivity._layout(cfg, prefix, layers)
+    (free, fixed, weights), n_layers = sensitivity._layout(cfg, model)
+    assert n_layers == model.config.num_hidden_layers
     least, most, cheapest, largest = sensitivity.reachable(free, fixed, weights)
     # down_proj (input 128 wide) at iq4_nl (4.5 bits), every 256-wide matrix at iq1_s (1.5625 bits)
     down = sum(m.count * m.rows * m.cols for _, _, m, _ in free.values() if m.cols == 128)

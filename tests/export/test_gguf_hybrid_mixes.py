@@ -59,9 +59,10 @@ def float_file(tmp_path_factory):
 
 def _plan(model, preset):
     from jgptq import PipelineConfig
-    from jgptq_torch.pipeline import layerwise, run_setup
+    from jgptq_torch import models
+    from jgptq_torch.pipeline import run_setup
 
-    prefix, layers = layerwise.models.find_decoder_layers(model)
+    prefix, layers = models.find_decoder_layers(model)
     return run_setup.plan_layers(prefix, layers, PipelineConfig.build(None, mix=preset))[1]
 
 

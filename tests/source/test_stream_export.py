@@ -63,6 +63,20 @@ def test_a_stopped_streamed_run_resumes_to_the_same_bytes(tmp_path, monkeypatch)
     assert files_of(tmp_path / "out") == whole
 
 
+def test_a_non_empty_output_is_refused_before_any_layer_is_read(tmp_path, monkeypatch):
+    from jgptq_torch.source import stream
+
+    folder, out = saved(tmp_path, "qwen3_moe"), tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    read = []
+    real = stream.StreamedLayers.arrive
+    monkeypatch.setattr(stream.StreamedLayers, "arrive", lambda self, *a, **k: (read.append(a), real(self, *a, **k))[1])
+    with pytest.raises(FileExistsError, match="not empty; pass overwrite=True"):
+        quantize_folder(folder, CALIB, out, device="cpu", **OPTS)
+    assert read == [] and files_of(out) == {"keep.txt": b"mine"}
+
+
 def files_of_run(folder, out, state):
     quantize_folder(folder, CALIB, out, device="cpu", checkpoint_dir=state, max_shard_bytes=SHARD, **OPTS)
     return files_of(out)
