@@ -11,7 +11,7 @@ import torch
 
 import jgptq
 from jgptq_torch.pipeline import experts_capture, solve
-from jgptq_torch.pipeline.experts_capture import experts_implementation
+from jgptq_torch.pipeline.capture import experts_implementation
 from tests.tiny_models import build, chunk_budget, token_ids
 
 OPTS = {"bits": 3, "group_size": 16, "batch_size": 4, "progress": False}

@@ -11,7 +11,7 @@ import torch
 
 import jgptq
 from jgptq_torch.pipeline import resume
-from jgptq_torch.pipeline.experts_capture import experts_implementation
+from jgptq_torch.pipeline.capture import experts_implementation
 from tests.tiny_models import build, token_ids
 
 OPTS = dict(method="rtn", bits=2, group_size=16, batch_size=4, progress=False)
