@@ -106,6 +106,7 @@ def test_layer_by_layer_hidden_states_are_the_forwards(family):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.slow     # about 40 s on 2 cores
 def test_quantize_moe_glm_moe_dsa(tmp_path):
     """Round-to-nearest and GPTQ end to end: next-token KL to the float model small, GPTQ's under RTN's; the GPTQ
     format holds the result (written and read back), GGUF refuses the family with the reason."""

@@ -82,6 +82,7 @@ def _assert_same(a_model, a, b_model, b):
         [(r.name, r.method, r.reason) for r in b.report.records]
 
 
+@pytest.mark.slow     # about 40 s each on 2 cores
 @pytest.mark.parametrize("opts", [INT, GGML], ids=["int", "ggml"])
 def test_warmed_programs_are_the_ones_the_solve_runs_same_bytes(opts, monkeypatch):
     float_model = build("qwen3_moe", num_hidden_layers=1)
@@ -108,6 +109,7 @@ def test_warmed_programs_are_the_ones_the_solve_runs_same_bytes(opts, monkeypatc
     assert again == [], f"the solve compiled warmed programs again: {again}"
 
 
+@pytest.mark.slow     # about 50 s on 2 cores
 def test_a_failing_warm_up_is_logged_and_the_run_goes_on(monkeypatch, caplog):
     float_model = build("qwen3_moe", num_hidden_layers=1)
     ref_model, ref = _run(float_model, GGML, monkeypatch, "0")
@@ -193,6 +195,7 @@ def test_a_program_asked_for_by_two_threads_compiles_once():
     assert len(compiles.seen) == 1, compiles.seen     # the one program, by one of the threads
 
 
+@pytest.mark.slow     # about 50 s on 2 cores
 def test_a_pass_in_chunks_of_experts_compiles_nothing_ahead(monkeypatch):
     """A layer whose routed experts go in chunks (memory planned full) starts no warm-up: no solve or group
     program on a worker thread; the bytes are those of the run without warm-up. A whole layer of the same model

@@ -3,6 +3,8 @@ afterwards, and profiles each offload mode asked for."""
 
 import json
 
+import pytest
+
 from benchmarks import calibrate_profile
 from jgptq_torch.pipeline import capture
 from jgptq_torch.pipeline import experts_capture
@@ -10,6 +12,7 @@ from jgptq_torch.pipeline import layerwise
 from jgptq import hessian
 
 
+@pytest.mark.slow     # about 35 s on 2 cores
 def test_small_profile_times_its_sections_and_restores_the_pipeline(tmp_path):
     before = (experts_capture.experts_forward, capture.Collector._add_grouped, capture.Collector._add, capture.to_jax,
               layerwise._layer_step, layerwise.run_layer, hessian.accumulate_slots)

@@ -114,6 +114,7 @@ def test_bad_inputs_get_clear_errors_and_nothing_is_written(model_dir, tmp_path,
     assert not any(p.name.endswith((".jgptq-work", ".report.json")) for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow     # about a minute on 2 cores: three runs of the command
 def test_quantize_exports_and_a_killed_run_resumes_to_the_same_bytes(model_dir, env, tmp_path):
     transformers = pytest.importorskip("transformers")
     whole = tmp_path / "whole"
@@ -145,6 +146,7 @@ def test_quantize_exports_and_a_killed_run_resumes_to_the_same_bytes(model_dir, 
     assert not work.exists()
 
 
+@pytest.mark.slow     # about 40 s on 2 cores: the whole demo
 def test_demo_runs_offline_and_gptq_beats_round_to_nearest(env, tmp_path):
     out = tmp_path / "demo" / "m"
     run = cli(env, "demo", "--out", out, "--layers", 2, "--samples", 16, "--quiet")
@@ -219,6 +221,7 @@ def test_option_defaults_are_the_config_defaults():
     assert demo.bits == PipelineConfig().quant.bits
 
 
+@pytest.mark.slow     # about 30 s on 2 cores
 def test_quantize_to_gguf_writes_the_blocks_the_run_chose(model_dir, env, tmp_path):
     import gguf
     import numpy as np

@@ -74,6 +74,7 @@ def test_the_help_lists_the_target_options():
 
 
 
+@pytest.mark.slow     # about 30 s on 2 cores
 def test_a_target_size_run_writes_its_allocation_to_the_gguf_file_the_report_and_a_chart(model_dir, env,  # noqa: F811
                                                                                            tmp_path):
     import json

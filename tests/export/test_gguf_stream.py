@@ -17,7 +17,8 @@ CALIB = token_ids(8, 32, seed=1)
 OPTS = dict(batch_size=8, progress=False)
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "q4_0"), ("mixtral", "q8_0")])
+@pytest.mark.parametrize("family,fmt", [pytest.param("qwen3_moe", "q4_0", marks=pytest.mark.slow),
+                                        ("mixtral", "q8_0")])
 def test_streamed_file_is_the_exported_file(family, fmt, tmp_path):
     model = tiny(family)
     sink = GGUFSink(tmp_path / "streamed.gguf")

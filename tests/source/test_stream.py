@@ -54,7 +54,7 @@ def test_layers_read_from_the_folder_equal_from_pretrained(tmp_path, family):
         assert torch.equal(dict(skeleton.named_buffers())[k], buf), k
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_streamed_run_gives_the_loaded_runs_records(tmp_path, family):
     folder = saved(tmp_path, family)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

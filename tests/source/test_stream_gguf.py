@@ -15,6 +15,8 @@ from jgptq_torch.source.stream import StreamedLayers, quantize_folder
 from tests.cli.test_resume import Stop, stop_after
 from tests.source.test_stream import CALIB, assert_streams_one_layer, saved
 
+SLOW = pytest.mark.slow   # 20-60 s each on 2 cores
+
 OPTS = dict(batch_size=4, progress=False)
 
 
@@ -30,12 +32,13 @@ def loaded_gguf(folder, out, fmt, run=None, **options):
 @pytest.mark.parametrize("family,fmt,sizes,run,options", [
     ("qwen3_moe", "q8_0", {}, {}, {}),
     # kv_b's blocks split into attn_k_b / attn_v_b; a correction bias; a dense first layer
-    ("deepseek_v3", "q4_0", {"kv_lora_rank": 32}, {}, {}),
+    pytest.param("deepseek_v3", "q4_0", {"kv_lora_rank": 32}, {}, {}, marks=SLOW),
     # kv_b left in float: its split read from the streamed layer's kept tensor
-    ("deepseek_v3", "q8_0", {}, {"exclude": [r"kv_b_proj"]}, {}),
+    pytest.param("deepseek_v3", "q8_0", {}, {"exclude": [r"kv_b_proj"]}, {}, marks=SLOW),
     ("gpt_oss", "q8_0", {}, {}, {"float_embeddings": True}),  # sinks, expert biases; embedding and head in f16
     # a llama.cpp mix (its own formats per tensor, the edges' types) with the float model's importance statistic
-    ("qwen3_moe", "q4_k", {}, {"mix": "q4_k_m", "block_fallback": "llama.cpp", "imatrix_source": "float"}, {}),
+    pytest.param("qwen3_moe", "q4_k", {}, {"mix": "q4_k_m", "block_fallback": "llama.cpp", "imatrix_source": "float"},
+                 {}, marks=SLOW),
 ])
 def test_streamed_gguf_is_the_loaded_runs_file_byte_for_byte(tmp_path, family, fmt, sizes, run, options):
     folder = saved(tmp_path, family, **sizes)
