@@ -43,13 +43,9 @@ import torch.nn.functional as F
 
 from jgptq_torch.dlpack import to_jax
 from jgptq_torch.pipeline import paired, routed_groups
-from jgptq_torch import models
-from jgptq_torch.models import UnsupportedModelError
-from jgptq_torch.pipeline.experts_capture import (ACTIVE as _ACTIVE, IMPLEMENTATION, _grouped_on, _register,  # noqa: F401
-                                                  experts_forward)
-from jgptq_torch.pipeline.prescaled_capture import prescaled_capture
-from jgptq_torch.pipeline.row_capture import row_capture
-from jgptq_torch.pipeline.stacked_capture import stacked_capture
+from jgptq_torch.pipeline.active_collector import ACTIVE as _ACTIVE
+from jgptq_torch.pipeline.experts_capture import (IMPLEMENTATION, _grouped_on, _register,  # noqa: F401
+                                                  experts_forward, experts_implementation)
 from jgptq import statistics as stats
 
 
@@ -329,35 +325,3 @@ class Collector:
         """Drops every state (frees device memory)."""
         for states in self.states_of.values():
             states.clear()
-
-
-@contextlib.contextmanager
-def experts_implementation(model):
-    """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
-    choice (nothing to select for a model without dispatchable experts). Experts that transformers does not
-    dispatch report their routed inputs for the same block: those of :data:`jgptq_torch.models.PRESCALED_EXPERTS`
-    through :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture`, experts stacks
-    (:data:`jgptq_torch.models.STACKED_EXPERTS`) through
-    :func:`jgptq_torch.pipeline.stacked_capture.stacked_capture`, experts kept as blocks of rows
-    (:data:`jgptq_torch.row_experts.ROW_EXPERTS`) through :func:`jgptq_torch.pipeline.row_capture.row_capture`."""
-    kinds = {models.is_prescaled(m) for m in model.modules() if models.is_experts_module(m)}
-    with contextlib.ExitStack() as undispatched:
-        undispatched.enter_context(stacked_capture(model))
-        undispatched.enter_context(row_capture(model))
-        if True in kinds:
-            undispatched.enter_context(prescaled_capture(model))
-        if False not in kinds:                # nothing for transformers' experts interface to dispatch
-            yield
-            return
-        if not hasattr(model, "set_experts_implementation"):
-            raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
-                                        f"a transformers release with the experts interface is needed")
-        _register()
-        getter = getattr(model, "get_experts_implementation", None)
-        previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
-        model.set_experts_implementation(IMPLEMENTATION)
-        try:
-            yield
-        finally:
-            if previous is not None and previous != {"": None}:
-                model.set_experts_implementation(previous)

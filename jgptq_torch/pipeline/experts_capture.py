@@ -6,22 +6,25 @@ It computes the output for every flag combination of ``use_experts_implementatio
 gate/up, transposed storage, biases, ungated experts, post-expert norm), with float32 accumulation of the weighted
 expert outputs as ``grouped_mm`` does, and gives the collector each expert's gate/up input rows and down input rows
 (the activated ``act(gate) * up``). On accelerators the routed experts run as two grouped matrix products (torch's
-``grouped_mm``) instead of a loop over experts (:func:`_grouped_on`).
-:func:`jgptq_torch.pipeline.capture.experts_implementation` selects it on a model for the duration of a block.
+``grouped_mm``) instead of a loop over experts (:func:`_grouped_on`). :func:`experts_implementation` selects it on
+a model for the duration of a block.
 """
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 
 import torch
 import torch.nn.functional as F
 
-from jgptq_torch.models import ExpertsLayout, flag
+from jgptq_torch import models
+from jgptq_torch.models import ExpertsLayout, UnsupportedModelError, flag
+from jgptq_torch.pipeline.active_collector import ACTIVE
+from jgptq_torch.pipeline.prescaled_capture import prescaled_capture
+from jgptq_torch.pipeline.row_capture import row_capture
+from jgptq_torch.pipeline.stacked_capture import stacked_capture
 
 IMPLEMENTATION = "jgptq_capture"
-# The collector that the experts forward reports to (set by Collector.attach; None: plain forward).
-ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jgptq_collector", default=None)
 
 
 def _activate(module, y: torch.Tensor) -> torch.Tensor:
@@ -201,3 +204,35 @@ def _register():
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+@contextlib.contextmanager
+def experts_implementation(model):
+    """Selects the capture implementation on ``model`` for the duration of the block, then restores the previous
+    choice (nothing to select for a model without dispatchable experts). Experts that transformers does not
+    dispatch report their routed inputs for the same block: those of :data:`jgptq_torch.models.PRESCALED_EXPERTS`
+    through :func:`jgptq_torch.pipeline.prescaled_capture.prescaled_capture`, experts stacks
+    (:data:`jgptq_torch.models.STACKED_EXPERTS`) through
+    :func:`jgptq_torch.pipeline.stacked_capture.stacked_capture`, experts kept as blocks of rows
+    (:data:`jgptq_torch.row_experts.ROW_EXPERTS`) through :func:`jgptq_torch.pipeline.row_capture.row_capture`."""
+    kinds = {models.is_prescaled(m) for m in model.modules() if models.is_experts_module(m)}
+    with contextlib.ExitStack() as undispatched:
+        undispatched.enter_context(stacked_capture(model))
+        undispatched.enter_context(row_capture(model))
+        if True in kinds:
+            undispatched.enter_context(prescaled_capture(model))
+        if False not in kinds:                # nothing for transformers' experts interface to dispatch
+            yield
+            return
+        if not hasattr(model, "set_experts_implementation"):
+            raise UnsupportedModelError(f"{type(model).__name__} has fused experts but no set_experts_implementation; "
+                                        f"a transformers release with the experts interface is needed")
+        _register()
+        getter = getattr(model, "get_experts_implementation", None)
+        previous = getter() if getter is not None else getattr(model.config, "_experts_implementation", None)
+        model.set_experts_implementation(IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            if previous is not None and previous != {"": None}:
+                model.set_experts_implementation(previous)

@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from jgptq_torch import models
-from jgptq_torch.pipeline.experts_capture import ACTIVE
+from jgptq_torch.pipeline.active_collector import ACTIVE
 
 _PRODUCTS = (torch.bmm, torch.matmul, torch.Tensor.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__)
 

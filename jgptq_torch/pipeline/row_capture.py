@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from jgptq_torch.pipeline.experts_capture import ACTIVE
+from jgptq_torch.pipeline.active_collector import ACTIVE
 from jgptq_torch.row_experts import RowsLayout, is_row_experts
 
 

@@ -21,7 +21,7 @@ import inspect
 import torch
 
 from jgptq_torch import models
-from jgptq_torch.pipeline.experts_capture import ACTIVE
+from jgptq_torch.pipeline.active_collector import ACTIVE
 
 
 class Routing:
