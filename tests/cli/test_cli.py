@@ -258,8 +258,11 @@ def test_progress_in_a_log_file_is_one_line_per_layer(model_dir, env, tmp_path):
                               stderr=err, text=True, timeout=300, cwd=ROOT)
     text = log.read_text()
     assert done.returncode == 0, text[-3000:]
-    assert "\r" not in text and "calibrate" not in text and "replay" not in text
-    layer_lines = [line for line in text.splitlines() if line.startswith("jgptq layers")]
+    assert "\r" not in text, repr(text[-2000:])
+    # a stage slow enough (on a slow or loaded machine) gets its own line: progress_in_a_log_names_only_the_slow_stages
+    quick = [line for line in text.splitlines() if not re.search(r" took \d+\.\d s, \w+ next$", line)]
+    assert not [line for line in quick if "calibrate" in line or "replay" in line], text[-3000:]
+    layer_lines = [line for line in quick if line.startswith("jgptq layers")]
     times = [re.sub(r"about \d+ s left", "about N s left", re.sub(r"in \d+\.\d s", "in T s", line))
              for line in layer_lines]
     assert times == ["jgptq layers: 1/3 (layer 0 in T s, about N s left)",
