@@ -144,6 +144,28 @@ def test_kept_hessians_in_chunks_are_those_of_the_whole_layer():
         assert got_tokens == tokens and np.array_equal(np.asarray(got), np.asarray(h)), key
 
 
+def test_a_finished_chunk_leaves_none_of_its_arrays_held_until_the_layer_ends(monkeypatch):
+    # each chunk's stacks are kept for the layer's join: only their names and token counts, never the weight view,
+    # Hessian or statistics (on a GPU, every earlier chunk's Hessians would stay on the device until the layer ends)
+    from jgptq_torch.pipeline import expert_chunks
+
+    float_model, ref, full = resume_tests.reference()
+    held, real = [], expert_chunks.Passes.joined
+
+    def joined(self, run, imatrix=None):
+        held.extend(stack for parts in self.parts.values() for _, stack, _, _ in parts)
+        return real(self, run, imatrix)
+
+    monkeypatch.setattr(expert_chunks.Passes, "joined", joined)
+    model = copy.deepcopy(float_model)
+    result = jgptq.quantize_moe(model, resume_tests.CALIB, offload="cpu", **resume_tests.OPTS,
+                                device_budget=chunk_budget(float_model, full, 3))
+    assert len(held) == 2 * 3 * 3          # gate/up and down stacks of 3 chunks in each of 3 layers
+    assert all(s.weight is None and s.hessian is None and s.importance is None and s.statistics is None
+               and s.input_scale is None and len(s.tokens) in (2, 3) for s in held)
+    resume_tests.assert_same(ref, full, model, result)
+
+
 def test_a_budget_below_one_expert_at_a_time_is_refused_before_any_work():
     float_model, _, full = resume_tests.reference()
     model = copy.deepcopy(float_model)

@@ -131,7 +131,10 @@ class Passes:
                 lo, hi = expert_rows(m, span)
                 dst = m.weight()[lo:hi]
                 dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
-                self.parts.setdefault(param, []).append((m, stack, res.host(self._copies), entries[param]))
+                # the stack without its arrays: its weight view, Hessian and statistics would hold each chunk's
+                # device memory until the layer ends
+                light = Stack(stack.name, None, None, stack.tokens, stack.hessian_key)
+                self.parts.setdefault(param, []).append((m, light, res.host(self._copies), entries[param]))
         run.report.add_time(self.index, "write", time.perf_counter() - t0)
 
     def joined(self, run, imatrix=None) -> list:
