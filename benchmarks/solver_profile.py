@@ -65,9 +65,19 @@ def _stages(w, h, cfg, repeat):
     return out
 
 
+def _case(text: str) -> tuple:
+    name, *sizes = text.split(",")
+    if len(sizes) != 4:
+        raise SystemExit(f"--case {text!r}: expected NAME,EXPERTS,ROWS,COLS,TOKENS")
+    return (name, *(int(v) for v in sizes))
+
+
 def main(argv=None):
     p = common.parser("solver_profile", DOC)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--case", action="append", default=None, metavar="NAME,EXPERTS,ROWS,COLS,TOKENS",
+                   help="profile this problem instead of the built-in cases (repeatable), e.g. "
+                        "ds_gate_up_37x2048x7168,37,2048,7168,8192 for a DeepSeek-V3 expert chunk")
     args = p.parse_args(argv)
     import jax
 
@@ -75,7 +85,8 @@ def main(argv=None):
 
     cfg = QuantConfig(bits=4, group_size=128)
     results = []
-    for i, (name, experts, rows, cols, tokens) in enumerate(SMALL if args.small else CASES):
+    cases = [_case(c) for c in args.case] if args.case else (SMALL if args.small else CASES)
+    for i, (name, experts, rows, cols, tokens) in enumerate(cases):
         w, h = make_problem(jax.random.PRNGKey(i), experts, rows, cols, tokens)
         stages = _stages(w, h, cfg, args.repeat)
         results.append({"case": name, "experts": experts, "rows": rows, "cols": cols, "stages": stages})
