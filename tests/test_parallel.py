@@ -257,3 +257,34 @@ def test_accelerator_policy_width_slack_and_compiler_options(monkeypatch):
     x = jnp.arange(16.0).reshape(4, 4)
     compiled = jax.jit(lambda a: a @ a).lower(x).compile(compiler_options=opts)
     np.testing.assert_array_equal(np.asarray(compiled(x)), np.asarray(x) @ np.asarray(x))
+
+
+def test_a_limited_bucket_reuses_a_compiled_program_that_fits_instead_of_compiling_new_ones(problem, reference):
+    dev = jax.devices()[0]
+    s = jax.ShapeDtypeStruct
+    spec, _ = engine.make_spec(experts._Solver(CFG), (s((E, R, C), jnp.float32), s((E, C, C), jnp.float32), None),
+                               (0, 0, None))
+    io = engine.io_bytes(spec)
+    mesh = engine.expert_mesh([dev])
+    fixed = memory.program_peak(engine.compiled_program(spec, mesh, 2, 1)) - 2 * io
+    gc.collect()
+    limit = memory.live_bytes([dev]).get(dev, 0) + fixed + 3 * io
+    first = jp.plan_solve(problem["w"], problem["h"], CFG, devices=[dev], memory_limit=limit, gather_to="host")
+    assert first.num_chunks > 1
+    programs = lambda: {k for k in engine._compiled if k[0] == spec}
+    before = programs()
+    # one expert fewer (a chunk of 7 after chunks of 8) and a little more room: the same program, no compile
+    seven = jp.plan_solve(problem["w"][:7], problem["h"][:7], CFG, devices=[dev], memory_limit=limit + io // 2,
+                          gather_to="host")
+    assert programs() == before
+    assert (spec, engine.expert_mesh([dev]), seven.per_device, seven.batch_size) in before
+    assert seven.num_chunks == -(-7 // seven.per_device) > 1 and seven.predicted_peak <= limit
+    res = jp.solve_experts(problem["w"][:7], problem["h"][:7], CFG, plan=seven, gather_to="host")
+    assert_same_bytes(as_got(res), "x", take(reference, 7))
+    # one expert: the planner's one-expert probe, without padding
+    one = jp.plan_solve(problem["w"][:1], problem["h"][:1], CFG, devices=[dev], memory_limit=limit,
+                        gather_to="host")
+    assert (one.per_device, one.num_chunks) == (1, 1) and programs() == before
+    # without a limit the bucket's own program is compiled as before
+    whole = jp.plan_solve(problem["w"][:7], problem["h"][:7], CFG, devices=[dev], gather_to="host")
+    assert (whole.per_device, whole.num_chunks) == (7, 1)

@@ -28,7 +28,9 @@ for one expert alone. The plan takes the largest m that fits at that k on every 
 are left over, they run in chunks of ``devices x m`` (balanced, padded with copies of a real expert whose
 results are dropped). The compiled program of the chosen (m, k) is checked itself before it runs; if its
 predicted peak does not fit, m (then k) shrinks. When no device has room for one expert, MemoryError is raised
-before anything runs.
+before anything runs. Under a limit, a program compiled earlier for the same per-expert shapes is run again when
+it fits and pads little (:func:`_compiled_fit`): no probe or new program is compiled for each bucket whose free
+bytes or expert count differ a little.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jgptq.parallel import memory
+from jgptq.parallel.programs import _lock as programs_lock
 from jgptq.parallel.programs import (AXIS, _compiled, _Spec, compiled_program, compiler_options,  # noqa: F401
                                      expert_mesh, input_bytes, io_bytes, is_sequence, make_spec, program_peak,
                                      runtime_slack)
@@ -136,6 +139,11 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     one_dev = expert_mesh([next((d for d in devices if d.process_index == me), devices[0])])
     limited = any(free[d] < memory.UNLIMITED for d in devices)
 
+    if limited:
+        reused = _compiled_fit(spec, num_experts, devices, free, k_max, gather_bytes)
+        if reused is not None:
+            return reused
+
     # Fast path: the whole bucket in one step on every device. Compiling a GPTQ program takes seconds on a GPU, so
     # the common case (it fits) compiles exactly the program that then runs, and nothing else.
     target = -(-num_experts // len(devices))
@@ -218,6 +226,49 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
         log.info("%d experts in %d chunks of %d devices x %d (batch %d); predicted peak %d bytes per device",
                  num_experts, chunks, len(used), per_dev, k, peak)
     return Plan(used, per_dev, k, num_experts, chunks, peak, free, idle + tuple(working[n_used:]))
+
+
+# Most expert slots a reused program may run for the experts it is given (the rest are padding): beyond this, a
+# program compiled for the bucket's own count costs less than the padded solves.
+REUSE_SLOTS = 1.5
+
+
+def _compiled_fit(spec: _Spec, num_experts: int, devices: Sequence, free: dict, k_max: int,
+                  gather_bytes) -> Optional[Plan]:
+    """A plan that runs a program of ``spec`` compiled earlier in this process, when one fits ``free`` (less the
+    gathered results) with at most :data:`REUSE_SLOTS` slots per expert, else None. Under a memory limit the
+    planner would otherwise compile probes and a new program whenever the free bytes or the expert count differ a
+    little from the last bucket's (a chunked layer's 37 and 36 experts, the next layer's memory), each compile
+    seconds on a GPU for the same solve. Among fitting programs: fewest sequential steps (chunks x batches a
+    chunk), then the least padding."""
+    with programs_lock:
+        peaks = [(key[1:4], peak) for key, peak in _compiled.items() if len(key) == 5 and key[0] == spec]
+    if not peaks:
+        return None
+    room = dict(free)
+    for d, b in ((gather_bytes() if callable(gather_bytes) else gather_bytes) or {}).items():
+        if d in room and room[d] < memory.UNLIMITED:
+            room[d] = max(0, room[d] - b)
+    best = None
+    for (mesh, per_dev, k), peak in peaks:
+        used = tuple(mesh.devices.flat)
+        if k > k_max or not set(used) <= set(devices) or any(peak > room[d] for d in used):
+            continue
+        chunks = -(-num_experts // (len(used) * per_dev))
+        slots = chunks * len(used) * per_dev
+        if slots > REUSE_SLOTS * num_experts or (k == 1 < num_experts and used[0].platform != "cpu"):
+            continue
+        score = (chunks * -(-per_dev // k), slots)   # sequential steps of the program, then the padding
+        if best is None or score < best[0]:
+            best = (score, Plan(used, per_dev, k, num_experts, chunks, peak, free,
+                                tuple(d for d in devices if d not in used)))
+    if best is None:
+        return None
+    plan_ = best[1]
+    log.info("%d experts run the compiled program for %d per device (batch %d) in %d chunks; predicted peak %d "
+             "bytes per device", num_experts, plan_.per_device, plan_.batch_size, plan_.num_chunks,
+             plan_.predicted_peak)
+    return plan_
 
 
 # ----------------------------------------------------------------------------------------------------------------
