@@ -129,8 +129,7 @@ class Passes:
                     self.entries[param] = entries[param]
                     continue
                 lo, hi = expert_rows(m, span)
-                dst = m.weight()[lo:hi]
-                dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
+                _copy_into(m.weight()[lo:hi], res, m.name)
                 # the stack without its arrays: its weight view, Hessian and statistics would hold each chunk's
                 # device memory until the layer ends
                 light = Stack(stack.name, None, None, stack.tokens, stack.hessian_key)
@@ -163,8 +162,12 @@ class Passes:
         with torch.no_grad():
             for m, _, _, res in solved:
                 if res.weight is not None:
-                    dst = m.weight()
-                    dst.copy_(to_torch(res.weight, name=m.name).to(device=dst.device, dtype=dst.dtype))
+                    _copy_into(m.weight(), res, m.name)
         run.stores.submit(self.index, run.names, [(m, param, dataclasses.replace(res, weight=None))
                                                   for m, param, _, res in solved])
         run.report.add_time(self.index, "write", time.perf_counter() - t0)
+
+
+def _copy_into(dst: torch.Tensor, res, name: str) -> None:
+    """A solved result's dequantized weight into its parameter (or a chunk's rows of it), in place."""
+    dst.copy_(to_torch(res.weight, name=name).to(device=dst.device, dtype=dst.dtype))
