@@ -139,7 +139,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     one_dev = expert_mesh([next((d for d in devices if d.process_index == me), devices[0])])
     limited = any(free[d] < memory.UNLIMITED for d in devices)
 
-    if limited:
+    if limited and jax.process_count() == 1:   # processes must agree on a plan; their compile caches may not
         reused = _compiled_fit(spec, num_experts, devices, free, k_max, gather_bytes)
         if reused is not None:
             return reused
