@@ -252,7 +252,8 @@ def _compiled_fit(spec: _Spec, num_experts: int, devices: Sequence, free: dict, 
     best = None
     for (mesh, per_dev, k), peak in peaks:
         used = tuple(mesh.devices.flat)
-        if k > k_max or not set(used) <= set(devices) or any(peak > room[d] for d in used):
+        if (k > k_max or len(used) != min(len(devices), num_experts) or not set(used) <= set(devices)
+                or any(peak > room[d] for d in used)):   # every device that could take work takes it
             continue
         chunks = -(-num_experts // (len(used) * per_dev))
         slots = chunks * len(used) * per_dev
