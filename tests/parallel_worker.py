@@ -84,6 +84,18 @@ def main(argv=None) -> int:
                    plan_limit=np.int64(min(limit[d] for d in plan.devices)),
                    idle_is_dev3=np.bool_(devs[3] in plan.idle and devs[3] not in plan.devices))
         _flat("room", jp.solve_experts(w, h, cfg, memory_limit=limit, gather_to="host"), out)
+        # one expert fewer on the devices with room: the program just planned is run again, nothing compiled (not
+        # the one-device probes: every device with room takes work)
+        from jgptq.parallel import engine
+
+        compiled = set(engine._compiled)
+        again = jp.plan_solve(w[:-1], h[:-1], cfg, devices=devs[:3], memory_limit=limit, gather_to="host")
+        out.update(reuse_devices=np.int32(len(again.devices)), reuse_compiled=np.int32(len(set(engine._compiled)
+                                                                                         - compiled)))
+        _flat("reuse", jp.solve_experts(w[:-1], h[:-1], cfg, plan=again, gather_to="host"), out)
+        jp.plan_solve(w[:2], h[:2], cfg, devices=devs[:1], gather_to="host")          # a one-device program of 2
+        two = jp.plan_solve(w[:2], h[:2], cfg, devices=devs[:3], memory_limit=8 * unit, gather_to="host")
+        out["two_devices"] = np.int32(len(two.devices))                               # not reused on one device
         # Hessian partials accumulated on several devices, merged onto the solving devices
         x = data["activations"]
         partials = [hs.DevicePartials(w.shape[-1]) for _ in range(len(w))]

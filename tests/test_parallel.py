@@ -116,6 +116,9 @@ def test_room_check_chunks_idles_and_merges_partials(problem, reference):
     assert int(got["plan_chunks"]) > 1                                      # the bucket did not fit at once
     assert int(got["plan_peak"]) <= int(got["plan_limit"]) < int(got["full_peak"])
     assert_same_bytes(got, "room", reference)
+    assert (int(got["reuse_devices"]), int(got["reuse_compiled"])) == (3, 0)   # a compiled program reused
+    assert int(got["two_devices"]) == 2                                         # ...that spreads the experts
+    assert_same_bytes(got, "reuse", take(reference, E - 1))
     assert bool(got["merged_on_plan"])
     merged = got["merged_hessians"]
     np.testing.assert_allclose(merged, problem["h"], rtol=2e-5, atol=1e-5)  # partials sum to the statistic
