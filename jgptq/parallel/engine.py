@@ -46,10 +46,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jgptq.parallel import memory
-from jgptq.parallel.programs import _lock as programs_lock
-from jgptq.parallel.programs import (AXIS, _compiled, _Spec, compiled_program, compiler_options,  # noqa: F401
-                                     expert_mesh, input_bytes, io_bytes, is_sequence, make_spec, program_peak,
-                                     runtime_slack)
+from jgptq.parallel.programs import (AXIS, _compiled, _Spec, compiled_peaks, compiled_program,  # noqa: F401
+                                     compiler_options, expert_mesh, input_bytes, io_bytes, is_sequence, make_spec,
+                                     program_peak, runtime_slack)
 
 log = logging.getLogger("jgptq.parallel")
 
@@ -151,9 +150,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     per_dev0 = _round_up(target, k0)
     used0 = tuple(devices[:-(-num_experts // per_dev0)])
     peak0 = program_peak(spec, expert_mesh(used0), per_dev0, k0)
-    for d, b in ((gather_bytes() if callable(gather_bytes) else gather_bytes) or {}).items():
-        if d in free and free[d] < memory.UNLIMITED:
-            free[d] = max(0, free[d] - b)
+    free = _less_gathered(free, gather_bytes)
     io = io_bytes(spec)
     if all(peak0 <= free[d] for d in used0):
         if k0 > 1 and len(used0) > 1 and used0[0].platform == "cpu":
@@ -228,6 +225,16 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     return Plan(used, per_dev, k, num_experts, chunks, peak, free, idle + tuple(working[n_used:]))
 
 
+def _less_gathered(free: dict, gather_bytes) -> dict:
+    """``free`` less the bytes the gathered results will take on their device (``gather_bytes``: a mapping, a
+    function that gives one, or None); unlimited devices stay unlimited."""
+    room = dict(free)
+    for d, b in ((gather_bytes() if callable(gather_bytes) else gather_bytes) or {}).items():
+        if d in room and room[d] < memory.UNLIMITED:
+            room[d] = max(0, room[d] - b)
+    return room
+
+
 # Most expert slots a reused program may run for the experts it is given (the rest are padding): beyond this, a
 # program compiled for the bucket's own count costs less than the padded solves.
 REUSE_SLOTS = 1.5
@@ -241,16 +248,12 @@ def _compiled_fit(spec: _Spec, num_experts: int, devices: Sequence, free: dict, 
     little from the last bucket's (a chunked layer's 37 and 36 experts, the next layer's memory), each compile
     seconds on a GPU for the same solve. Among fitting programs: fewest sequential steps (chunks x batches a
     chunk), then the least padding."""
-    with programs_lock:
-        peaks = [(key[1:4], peak) for key, peak in _compiled.items() if len(key) == 5 and key[0] == spec]
+    peaks = compiled_peaks(spec)
     if not peaks:
         return None
-    room = dict(free)
-    for d, b in ((gather_bytes() if callable(gather_bytes) else gather_bytes) or {}).items():
-        if d in room and room[d] < memory.UNLIMITED:
-            room[d] = max(0, room[d] - b)
+    room = _less_gathered(free, gather_bytes)
     best = None
-    for (mesh, per_dev, k), peak in peaks:
+    for mesh, per_dev, k, peak in peaks:
         used = tuple(mesh.devices.flat)
         if (k > k_max or len(used) != min(len(devices), num_experts) or not set(used) <= set(devices)
                 or any(peak > room[d] for d in used)):   # every device that could take work takes it
@@ -261,7 +264,7 @@ def _compiled_fit(spec: _Spec, num_experts: int, devices: Sequence, free: dict, 
             continue
         score = (chunks * -(-per_dev // k), slots)   # sequential steps of the program, then the padding
         if best is None or score < best[0]:
-            best = (score, Plan(used, per_dev, k, num_experts, chunks, peak, free,
+            best = (score, Plan(used, per_dev, k, num_experts, chunks, peak, room,
                                 tuple(d for d in devices if d not in used)))
     if best is None:
         return None

@@ -137,6 +137,14 @@ def program_peak(spec: _Spec, mesh: Mesh, per_device: int, k: int) -> int:
     return hit
 
 
+def compiled_peaks(spec: _Spec) -> list:
+    """[(mesh, per_device, k, predicted peak)] of the programs of ``spec`` compiled in this process whose peak
+    :func:`program_peak` has read."""
+    with _lock:
+        return [(key[1], key[2], key[3], peak) for key, peak in _compiled.items()
+                if len(key) == 5 and key[0] == spec]
+
+
 _io_compiled: dict = {}   # spec -> io bytes read from a compiled program's outputs
 
 
