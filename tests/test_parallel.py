@@ -291,3 +291,26 @@ def test_a_limited_bucket_reuses_a_compiled_program_that_fits_instead_of_compili
     # without a limit the bucket's own program is compiled as before
     whole = jp.plan_solve(problem["w"][:7], problem["h"][:7], CFG, devices=[dev], gather_to="host")
     assert (whole.per_device, whole.num_chunks) == (7, 1)
+
+
+def test_a_narrow_compiled_program_is_not_reused_where_the_room_holds_a_wider_batch(problem, reference):
+    # A program compiled while memory was short (2 experts at batch 2) fits a later, roomier bucket, but would
+    # take 4 sequential steps there where the room holds batch 4 (2 steps, by the batch-4 program's peak): the
+    # planner plans anew instead of reusing it, and the bytes are the one-device solve's.
+    dev = jax.devices()[0]
+    s = jax.ShapeDtypeStruct
+    spec, _ = engine.make_spec(experts._Solver(CFG), (s((E, R, C), jnp.float32), s((E, C, C), jnp.float32), None),
+                               (0, 0, None))
+    io, mesh = engine.io_bytes(spec), engine.expert_mesh([dev])
+    whole, narrow = engine.program_peak(spec, mesh, E, 4), engine.program_peak(spec, mesh, 2, 2)
+    gc.collect()
+    live = memory.live_bytes([dev]).get(dev, 0)
+    short = jp.plan_solve(problem["w"], problem["h"], CFG, devices=[dev], batch_size=2, memory_limit=live + narrow,
+                          gather_to="host")
+    assert (short.per_device, short.batch_size, short.num_chunks) == (2, 2, E // 2)
+    roomy = jp.plan_solve(problem["w"], problem["h"], CFG, devices=[dev], batch_size=4,
+                          memory_limit=live + whole - 2 * io, gather_to="host")
+    assert roomy.batch_size == 4 and roomy.num_chunks * -(-roomy.per_device // 4) == 2
+    assert (spec, mesh, roomy.per_device, 4) in engine._compiled
+    res = jp.solve_experts(problem["w"], problem["h"], CFG, plan=roomy, gather_to="host")
+    assert_same_bytes(as_got(res), "x", reference)
