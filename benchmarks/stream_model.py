@@ -30,12 +30,16 @@ whole model extrapolated from the measured run: its total (set-up, compiles and 
 included) plus every layer not measured at its kind's steady cost (dense and MoE apart: the mean of the kind's
 layers after the first, whose solve compiles; never below the output writer's seconds per layer, since the writer
 works beside the layers and would set the pace if it were slower), and the same with the median of those layers
-(``model_median_s``: a one-off compile in one later layer is not multiplied by the unmeasured ones).
+(``model_median_s``: a one-off compile in one later layer is not multiplied by the unmeasured ones), and the expert
+planner's messages during the run (``planner_log``: each chunked bucket's program, batch and chunks, seconds from
+the start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import resource
 import shutil
@@ -211,6 +215,28 @@ def extrapolate(timings: dict, s: dict, layers: int, total: float, writer_busy_s
             "model_median_s": median, "model_median_min": median / 60}
 
 
+@contextlib.contextmanager
+def _planner_log(t0: float, most: int = 1000):
+    """The expert planner's messages while the run goes (which programs ran at which batch, in how many chunks,
+    when a bucket planned anew), as "SECONDS message" lines from ``t0``; the logger's level is put back after."""
+    lines: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if len(lines) < most:
+                lines.append(f"{time.perf_counter() - t0:.1f} {record.getMessage()}")
+
+    logger, handler = logging.getLogger("jgptq.parallel"), Keep(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv=None):
     p = common.parser("stream_model", DOC)
     p.add_argument("--shape", choices=sorted(SHAPES), default="deepseek_v3")
@@ -259,10 +285,12 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats()
         calib = torch.randint(0, s["vocab"], (sequences, length), generator=torch.Generator().manual_seed(1))
         t0 = time.perf_counter()
-        result = jgptq.quantize_folder(src, calib, out_dir, bits=4, group_size=group, sym=True,
-                                       scale_dtype="bfloat16", hessian_dtype="bfloat16", batch_size=batch,
-                                       device=device, device_budget=args.device_budget, progress=True)
+        with _planner_log(t0) as planner_log:
+            result = jgptq.quantize_folder(src, calib, out_dir, bits=4, group_size=group, sym=True,
+                                           scale_dtype="bfloat16", hessian_dtype="bfloat16", batch_size=batch,
+                                           device=device, device_budget=args.device_budget, progress=True)
         total = time.perf_counter() - t0
+        out["planner_log"] = planner_log
         report = result.report
         timings = {i: dict(report.timings.get(i, {})) for i in range(layers)}
         out.update({

@@ -55,3 +55,18 @@ def test_the_median_extrapolation_leaves_out_a_one_off_layer():
     assert two["moe_layer_median_s"] == 3.0 and two["model_median_s"] == 9.0 + 17 * 3.0
     slow = stream_model.extrapolate(timings, shape, 5, total=50.0, writer_busy_s=20.0)    # 4 s a layer
     assert slow["model_median_s"] == 50.0 + 15 * 4.0
+
+
+def test_the_planner_log_keeps_the_planners_messages_and_puts_the_level_back():
+    import logging
+
+    logger = logging.getLogger("jgptq.parallel")
+    before = logger.level
+    with stream_model._planner_log(0.0, most=2) as lines:
+        logger.info("37 experts in %d chunks", 2)
+        logging.getLogger("jgptq.other").warning("not the planner's")
+        logger.info("second")
+        logger.info("past the most kept")
+    assert [line.split(" ", 1)[1] for line in lines] == ["37 experts in 2 chunks", "second"]
+    assert all(float(line.split(" ", 1)[0]) > 0 for line in lines)
+    assert logger.level == before and not any(type(h).__name__ == "Keep" for h in logger.handlers)
