@@ -314,3 +314,44 @@ def test_a_narrow_compiled_program_is_not_reused_where_the_room_holds_a_wider_ba
     assert (spec, mesh, roomy.per_device, 4) in engine._compiled
     res = jp.solve_experts(problem["w"], problem["h"], CFG, plan=roomy, gather_to="host")
     assert_same_bytes(as_got(res), "x", reference)
+
+
+def test_a_new_expert_count_compiles_no_program_per_result_field(problem, reference):
+    # A chunked bucket whose count is new (a layer's shorter last chunks) runs the program compiled before; cutting
+    # its results to the real experts and joining the chunks is one program each for every field at once, not an
+    # eager slice and concatenation per field (about twenty small compiles, seconds on a GPU). Same bytes.
+    import logging
+
+    dev = jax.devices()[0]
+    s = jax.ShapeDtypeStruct
+    spec, _ = engine.make_spec(experts._Solver(CFG), (s((E, R, C), jnp.float32), s((E, C, C), jnp.float32), None),
+                               (0, 0, None))
+    io = engine.io_bytes(spec)
+    fixed = engine.program_peak(spec, engine.expert_mesh([dev]), 2, 1) - 2 * io
+    w, h = jnp.asarray(problem["w"]), jnp.asarray(problem["h"])
+    gc.collect()
+    limit = memory.live_bytes([dev]).get(dev, 0) + fixed + 3 * io + 2 * E * io
+    first = jp.plan_solve(w, h, CFG, devices=[dev], memory_limit=limit, gather_to=dev)
+    assert first.num_chunks > 1
+    jp.solve_experts(w, h, CFG, plan=first, gather_to=dev)
+    compiles = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling"):
+                compiles.append(record.getMessage().split(" with ")[0])
+
+    handler, jax_log = Count(), logging.getLogger("jax")
+    jax_log.addHandler(handler)
+    w7, h7 = w[:7], h[:7]
+    try:
+        with jax.log_compiles(True):
+            plan = jp.plan_solve(w7, h7, CFG, devices=[dev], memory_limit=limit, gather_to=dev)
+            res = jp.solve_experts(w7, h7, CFG, plan=plan, gather_to=dev)
+    finally:
+        jax_log.removeHandler(handler)
+    assert plan.num_chunks > 1 and -(-7 // plan.per_device) == plan.num_chunks
+    # the input checks' finiteness and the chunks' experts taken from the stacks (weights, Hessians: one program
+    # each), the last chunk cut to its real experts, the chunks joined
+    assert len(compiles) <= 6, compiles
+    assert_same_bytes(as_got(res), "x", take(reference, 7))

@@ -41,10 +41,9 @@ def _block(x, idx: list, device, dtype):
     """Experts ``idx`` of ``x`` stacked on ``device``."""
     if is_sequence(x):
         return jnp.stack([jax.device_put(jnp.asarray(x[i], dtype), device) for i in idx])
+    if isinstance(x, jax.Array):   # one program per shape, whether the experts are consecutive or padded
+        return jax.device_put(_rows(x, np.asarray(idx, np.int32), dtype), device)
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
-    if isinstance(x, jax.Array):
-        part = x[idx[0]: idx[0] + len(idx)] if contiguous else x[np.asarray(idx)]
-        return jax.device_put(part.astype(dtype), device)
     part = x[idx[0]: idx[0] + len(idx)] if contiguous else np.take(x, idx, axis=0)
     return jax.device_put(np.asarray(part, dtype), device)
 
@@ -107,12 +106,25 @@ def run(spec: _Spec, args: Sequence, plan_: Plan, gather_to=None):
         elif gather_to == "host":
             pieces.append(jax.tree.map(lambda a: np.asarray(a)[:valid], out))
         else:
-            pieces.append(jax.tree.map(lambda a: jax.device_put(a, gather_to)[:valid], out))
+            moved = jax.device_put(out, gather_to)
+            full = len(plan_.devices) * plan_.per_device
+            pieces.append(moved if valid == full else _first(moved, valid))
+            del moved
         del out
     if len(pieces) == 1:
         return pieces[0]
-    cat = np.concatenate if gather_to == "host" else jnp.concatenate
-    return jax.tree.map(lambda *xs: cat(xs, axis=0), *pieces)
+    if gather_to == "host":
+        return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *pieces)
+    return _joined(pieces)
+
+
+_rows = jax.jit(lambda x, idx, dtype: jnp.take(x, idx, axis=0).astype(dtype), static_argnums=2)
+
+# A chunk's results cut to its real experts and the chunks joined, each as one program for every field at once: as
+# eager operations, each field's slice and concatenation compiled one small program per new expert count, about
+# twenty for a GPTQ result, seconds on a GPU whenever a bucket's count was new (a layer's last, shorter chunks).
+_first = jax.jit(lambda tree, n: jax.tree.map(lambda a: a[:n], tree), static_argnums=1)
+_joined = jax.jit(lambda pieces: jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *pieces))
 
 
 def plan_map(fn: Callable, args: Sequence, in_axes: Sequence, *, devices=None, batch_size=None, memory_limit=None,
