@@ -16,6 +16,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from jgptq_torch.matrix import Matrix, UnsupportedModelError
+
 # class of the experts module -> its child holding the parameters, the gate, up and down parameters, whether an
 # expert's block of down rows is stored (in, out), and the attribute giving the number of experts
 ROW_EXPERTS = {"DbrxExperts": {"holder": "mlp", "gate": "w1", "up": "v1", "down": "w2", "down_transposed": True,
@@ -66,8 +68,6 @@ class RowsLayout:
 
     @classmethod
     def of(cls, module: nn.Module) -> RowsLayout:
-        from jgptq_torch.models import UnsupportedModelError
-
         facts = ROW_EXPERTS[type(module).__name__]
         glu, e = getattr(module, facts["holder"]), int(getattr(module, facts["experts"]))
         shapes = {n: tuple(getattr(glu, facts[n]).shape) for n in ("gate", "up", "down")}
@@ -90,10 +90,8 @@ class RowsLayout:
         return RowBlocks(e, i, h, False), RowBlocks(e, i, h, False), down
 
     def matrices(self, name: str, module: nn.Module) -> list:
-        """The :class:`jgptq_torch.models.Matrix` targets of experts module ``name``: gate and up (on the
+        """The :class:`jgptq_torch.matrix.Matrix` targets of experts module ``name``: gate and up (on the
         ``gate_up`` inputs), down (on the ``down`` inputs)."""
-        from jgptq_torch.models import Matrix
-
         glu, (g, u, d) = getattr(module, self.holder), self._blocks()
         return [Matrix(f"{name}.{self.holder}.{self.gate}", "expert_gate_up", g.rows, g.cols, self.num_experts,
                        False, name, (name, "gate_up"), glu, g),
