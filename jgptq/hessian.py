@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgptq import xla_options
+from jgptq.finite import all_finite
 
 INPUT_DTYPES = ("float32", "bfloat16")
 
@@ -113,7 +114,7 @@ def accumulate(state: HessianState, x, mask=None, *, input_dtype: str = "float32
     if int(np.prod(x.shape[:-1])) == 0:
         return state
     x = jnp.asarray(x)
-    if check_finite and not bool(jnp.isfinite(x).all()):
+    if check_finite and not all_finite(x):
         raise ValueError(f"{name}: activations contain NaN or Inf")
     if mask is not None:
         mask = jnp.asarray(mask)
@@ -165,7 +166,7 @@ def accumulate_at(state: HessianState, index: int, x, mask=None, *, input_dtype:
     if int(np.prod(x.shape[:-1])) == 0:
         return state
     x = jnp.asarray(x)
-    if check_finite and not bool(jnp.isfinite(x).all()):
+    if check_finite and not all_finite(x):
         raise ValueError(f"{name}: activations contain NaN or Inf")
     if mask is not None:
         mask = jnp.asarray(mask)

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
-
 from jgptq.config import QuantConfig
+from jgptq.finite import all_finite
 
 
 def width_misfit(quant, cols: int, what: str = "input columns") -> Optional[str]:
@@ -56,8 +54,5 @@ def check_inputs(weight, hessian, importance, config: QuantConfig, name: str, ba
     if importance is not None and importance.shape[-1] != cols:
         raise ValueError(f"{name}: importance of shape {tuple(importance.shape)} does not match {cols} columns")
     for what, arr in (("weight", weight), ("Hessian", hessian), ("importance", importance)):
-        if arr is not None and not bool(_all_finite(arr)):
+        if arr is not None and not all_finite(arr):
             raise ValueError(f"{name}: {what} contains NaN or Inf")
-
-
-_all_finite = jax.jit(lambda a: jnp.isfinite(a).all())   # one program a shape (as two eager operations: two)

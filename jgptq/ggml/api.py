@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgptq.finite import all_finite
 from jgptq.ggml.registry import GGMLFormat, get_format
 
 FormatLike = Union[str, GGMLFormat]
@@ -22,10 +23,6 @@ def _format(fmt: FormatLike) -> GGMLFormat:
     return fmt if isinstance(fmt, GGMLFormat) else get_format(fmt)
 
 
-def _all_finite(a) -> bool:
-    return bool(jax.device_get(jnp.all(jnp.isfinite(a))))
-
-
 def _check_importance(importance, n: int):
     imp = jnp.asarray(importance)
     if not jnp.issubdtype(imp.dtype, jnp.floating) and not jnp.issubdtype(imp.dtype, jnp.integer):
@@ -33,7 +30,7 @@ def _check_importance(importance, n: int):
     imp = imp.astype(jnp.float32)
     if imp.shape != (n,):
         raise ValueError(f"importance must have shape ({n},) (one weight per column of x), got {imp.shape}")
-    if not _all_finite(imp):
+    if not all_finite(imp):
         raise ValueError("importance contains NaN or Inf values")
     if bool(jax.device_get(jnp.any(imp < 0))):
         raise ValueError("importance contains negative values; importance weights must be >= 0")
@@ -70,7 +67,7 @@ def encode(x, fmt: FormatLike, importance: Optional[object] = None) -> jax.Array
         raise ValueError(f"x has shape {x.shape}: its last axis ({n}) is not a multiple of the {f.name} "
                          f"block size {f.block_size}")
     x = x.astype(jnp.float32)
-    if not _all_finite(x):
+    if not all_finite(x):
         bad = int(jax.device_get(jnp.sum(~jnp.isfinite(x))))
         raise ValueError(f"x contains {bad} NaN or Inf values; GGML encoders need finite weights")
     if importance is None:
