@@ -83,6 +83,13 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _balanced(num_experts: int, n_devices: int, most: int, k: int) -> tuple[int, int]:
+    """(chunks, experts per device) when ``n_devices`` devices take at most ``most`` experts each at batch ``k``:
+    the fewest chunks, the experts spread evenly over them (per device a multiple of ``k``)."""
+    chunks = -(-num_experts // (n_devices * most))
+    return chunks, _round_up(-(-num_experts // (chunks * n_devices)), k)
+
+
 def _width(k_max: int, per_device: int, num_experts: int, platform: str) -> int:
     """The preferred vmap width: the experts per device up to ``k_max``; on accelerators at least 2 for E >= 2."""
     k = min(k_max, per_device)
@@ -176,8 +183,7 @@ def plan(spec: _Spec, num_experts: int, devices: Sequence, *, batch_size: Option
     for _ in range(32):
         k = batches[bi]
         per_dev = min(min(capacity(d, k) for d in working), _round_up(target, k))
-        chunks = -(-num_experts // (len(working) * per_dev))
-        per_dev = _round_up(-(-num_experts // (chunks * len(working))), k)   # balance the chunks
+        chunks, per_dev = _balanced(num_experts, len(working), per_dev, k)
         n_used = -(-num_experts // (chunks * per_dev))
         used = tuple(working[:n_used])
         peak = program_peak(spec, expert_mesh(used), per_dev, k)
@@ -280,7 +286,7 @@ def _fresh_steps(peaks: list, io: int, num_experts: int, used: tuple, room: dict
         m = min(max(least - f, 0) // max(io, 1) // k * k, _round_up(-(-num_experts // len(used)), k))
         if m < k:
             continue
-        chunks = -(-num_experts // (len(used) * m))
-        steps = chunks * _round_up(-(-num_experts // (chunks * len(used))), k) // k
+        chunks, per_dev = _balanced(num_experts, len(used), m, k)
+        steps = chunks * per_dev // k
         best = steps if best is None else min(best, steps)
     return best
