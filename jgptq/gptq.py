@@ -204,7 +204,7 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
     maxq = config.maxq
     block, group = plan.block, plan.group
 
-    def column_steps(k, carry, b0):
+    def column_steps(k, carry, b0, unroll):
         """All columns of the k-th inner group of the block starting at b0 (scalar grids)."""
         wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t) = carry
         g0 = k * group
@@ -230,10 +230,10 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
             codes_t = codes_t.at[b0 + c].set(q.astype(jnp.uint8))
             return wb, qb, eb, codes_t
 
-        wb, qb, eb, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, codes_t), unroll=_COLUMN_UNROLL)
+        wb, qb, eb, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, codes_t), unroll=unroll)
         return wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t)
 
-    def group_step(k, carry, b0):
+    def group_step(k, carry, b0, unroll=None):
         """The k-th format block of the block starting at b0, encoded jointly (codecs)."""
         wb, qb, eb, ub, loss, payload_t = carry
         g0 = k * group
@@ -259,10 +259,16 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
         w0 = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)   # the block's original columns
         wb = w0 + ub.T @ jax.lax.dynamic_slice_in_dim(pull, b0, block, axis=0)
         def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
-            zeros = jnp.zeros_like(wb)
-            _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
-                                                       (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
-            return qb, eb, extra
+            def steps(unroll):
+                def run(wb, ub, extra):
+                    zeros = jnp.zeros_like(wb)
+                    _, qb, eb, _, _, extra = jax.lax.fori_loop(
+                        0, block // group, functools.partial(_with_b0, step, b0, unroll),
+                        (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
+                    return qb, eb, extra
+                return run
+            return jax.lax.platform_dependent(wb, ub, extra, cpu=steps(_COLUMN_UNROLL_CPU),
+                                              default=steps(_COLUMN_UNROLL))
         qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
         # What this block's rounding asks of every later column (T is upper triangular: earlier columns get 0).
@@ -292,14 +298,16 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
         dead_columns=jnp.sum(dead, dtype=jnp.int32))
 
 
-def _with_b0(step, b0, k, carry):
-    return step(k, carry, b0)
+def _with_b0(step, b0, unroll, k, carry):
+    return step(k, carry, b0, unroll)
 
 
 # Column steps per loop iteration. Each loop iteration costs the GPU a round of control overhead; unrolling 4
 # steps took a 4096 x 4096 solve on an H200 from 58 to 45 ms (8 and 16 gave no more), and the compiled program
-# still does not grow with the width.
+# still does not grow with the width. XLA:CPU is the other way round: a 512 x 512 int4 solve took 98 ms unrolled by
+# 4, 93 ms by 2 and 26 ms not unrolled (2 cores, the same bytes).
 _COLUMN_UNROLL = 4
+_COLUMN_UNROLL_CPU = 1
 
 
 def _exact_order_sum(err: jax.Array) -> jax.Array:
