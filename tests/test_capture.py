@@ -311,3 +311,24 @@ def test_a_group_of_wide_experts_keeps_its_products_within_bounds():
         assert max(len(s) for _, s in groups) == most, cols
         assert all(len(s) * cols * cols * 4 <= routed_groups.PRODUCT_BYTES for _, s in groups)
         assert sorted(e for _, s in groups for e in s if e >= 0) == list(range(256))
+
+
+def test_narrow_experts_take_one_group_size_a_level_on_an_accelerator():
+    """Where a level's padding slots cost little arithmetic (512-wide float32 rows, 8 experts: the quality model's),
+    every accelerator group of the level has the level's most slots, so the accumulation compiles one program a
+    level, not up to four; wide experts (2048 bf16 columns) keep the sizes an eighth of the most apart; the CPU
+    layout is unchanged; each expert covered once."""
+    rng = np.random.default_rng(3)
+    sizes = {}   # rows per slot -> slot counts met over many forwards (each a program)
+    for _ in range(50):
+        counts = [int(n) for n in rng.integers(1, 3000, 8)]
+        groups = routed_groups.group_layout(counts, 512 * 4, True)
+        for p, slots in groups:
+            sizes.setdefault(p, set()).add(len(slots))
+        assert sorted(e for _, s in groups for e in s if e >= 0) == list(range(8))
+        cpu = routed_groups.group_layout(counts, 512 * 4, False)
+        assert all(len(s) < 2 * sum(e >= 0 for e in s) for _, s in cpu)    # the CPU pads to the next power of two
+    assert {p: s for p, s in sizes.items() if p <= 2048} == {64 << i: {8} for i in range(6)}
+    assert len(sizes[4096]) > 1
+    wide = routed_groups.layout_shapes(128, 128, 2048 * 2, 8192, 8192 * 8)
+    assert len({g for g, p in wide if p == 64}) == 4

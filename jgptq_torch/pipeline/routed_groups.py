@@ -17,6 +17,7 @@ from jgptq_torch.dlpack import to_jax
 MAX_ROWS = 1 << 13
 GROUP_BYTES = 1 << 30  # padded rows of one group of experts passed to the accumulation at once
 PRODUCT_BYTES = 1 << 32  # float32 (cols x cols) products of one group's slots, made before they are summed in
+PADDING_PRODUCTS = 1 << 34  # multiply-adds of padding slots a group may carry on an accelerator to spare a program
 
 
 def padded_rows(n: int) -> int:
@@ -39,6 +40,18 @@ def _most_slots(p: int, bytes_per_row: int, cap: int) -> int:
     return min(cap, 1 << (most.bit_length() - 1))
 
 
+def _least_slots(p: int, bytes_per_row: int, most: int) -> int:
+    """The fewest slots of an accelerator group of ``p`` rows per slot whose level groups at most ``most``.
+
+    Where ``most - 1`` padding slots cost at most :data:`PADDING_PRODUCTS` multiply-adds (``p`` x C^2 each, C
+    bounded as in :func:`_most_slots`), every group of the level is padded to ``most``: one program for the level,
+    about a millisecond of arithmetic a call against about a second a compile on a GPU (a model of 512-wide
+    experts compiled 27 accumulation programs, 28 at most: 7 levels of 4 sizes). Wider experts are never padded so
+    (at 2048 columns not even 64 rows per slot), and keep at least an eighth of ``most``."""
+    width = max(1, bytes_per_row // 2)
+    return most if (most - 1) * p * width * width <= PADDING_PRODUCTS else max(1, most // 8)
+
+
 def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: int = None) -> list:
     """How a forward's routed experts are added: [(rows per slot p, experts of the slots, -1 for padding)].
 
@@ -53,7 +66,8 @@ def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: i
     distinct (slots, p, C) shape compiles one accumulation program; each call costs the host about a millisecond
     of dispatch, so groups are few and large. A level's last group is padded to the next power of two of its
     members; on an accelerator to at least an eighth of the level's largest group, which bounds the programs per
-    level at four (padding every last group to the largest group wasted up to 125 slots' products a level).
+    level at four (padding every last group to the largest group wasted up to 125 slots' products a level), or to
+    the largest group where that padding costs little (:func:`_least_slots`).
     """
     levels: dict = {}
     for e, n in enumerate(counts):
@@ -63,7 +77,7 @@ def group_layout(counts: list, bytes_per_row: int, on_accelerator: bool, kept: i
     groups = []
     for p, members in sorted(levels.items()):
         most = _most_slots(p, bytes_per_row, cap)
-        least = max(1, most // 8) if on_accelerator else 1
+        least = _least_slots(p, bytes_per_row, most) if on_accelerator else 1
         for i in range(0, len(members), most):
             chunk = members[i:i + most]
             g = min(most, max(least, 1 << (len(chunk) - 1).bit_length()))
@@ -94,7 +108,7 @@ def layout_shapes(experts: int, kept: int, bytes_per_row: int, tokens: int, rout
         members = kept if routed_rows is None else min(kept, routed_rows // (p // 2 + 1) if p > 64 else routed_rows)
         if members:
             most = _most_slots(p, bytes_per_row, cap)
-            least = max(1, most // 8)
+            least = _least_slots(p, bytes_per_row, most)
             sizes = sorted({min(most, max(least, 1 << (m - 1).bit_length()))
                             for m in _chunk_sizes(members, most)}, reverse=p == mean)
             levels.append((abs(p.bit_length() - mean.bit_length()), p, sizes))
