@@ -204,7 +204,7 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
     maxq = config.maxq
     block, group = plan.block, plan.group
 
-    def column_steps(k, carry, b0, unroll):
+    def column_steps(k, carry, b0):
         """All columns of the k-th inner group of the block starting at b0 (scalar grids)."""
         wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t) = carry
         g0 = k * group
@@ -230,10 +230,14 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
             codes_t = codes_t.at[b0 + c].set(q.astype(jnp.uint8))
             return wb, qb, eb, codes_t
 
-        wb, qb, eb, codes_t = jax.lax.fori_loop(0, group, one, (wb, qb, eb, codes_t), unroll=unroll)
+        def columns(unroll):
+            return lambda *c: jax.lax.fori_loop(0, group, one, c, unroll=unroll)
+
+        wb, qb, eb, codes_t = jax.lax.platform_dependent(wb, qb, eb, codes_t, cpu=columns(_COLUMN_UNROLL_CPU),
+                                                         default=columns(_COLUMN_UNROLL))
         return wb, qb, eb, ub, loss, (scale_t, zero_t, codes_t)
 
-    def group_step(k, carry, b0, unroll=None):
+    def group_step(k, carry, b0):
         """The k-th format block of the block starting at b0, encoded jointly (codecs)."""
         wb, qb, eb, ub, loss, payload_t = carry
         g0 = k * group
@@ -259,16 +263,10 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
         w0 = jax.lax.dynamic_slice_in_dim(wt, b0, block, axis=0)   # the block's original columns
         wb = w0 + ub.T @ jax.lax.dynamic_slice_in_dim(pull, b0, block, axis=0)
         def xla_step(wb, ub, extra):  # the XLA loop; the fused kernel replaces it where it serves
-            def steps(unroll):
-                def run(wb, ub, extra):
-                    zeros = jnp.zeros_like(wb)
-                    _, qb, eb, _, _, extra = jax.lax.fori_loop(
-                        0, block // group, functools.partial(_with_b0, step, b0, unroll),
-                        (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
-                    return qb, eb, extra
-                return run
-            return jax.lax.platform_dependent(wb, ub, extra, cpu=steps(_COLUMN_UNROLL_CPU),
-                                              default=steps(_COLUMN_UNROLL))
+            zeros = jnp.zeros_like(wb)
+            _, qb, eb, _, _, extra = jax.lax.fori_loop(0, block // group, functools.partial(_with_b0, step, b0),
+                                                       (wb, zeros, zeros, ub, jnp.zeros_like(loss), extra))
+            return qb, eb, extra
         qb, eb, extra = xla_step(wb, ub, extra) if kernel is None else kernel(wb, ub, b0, gid, extra, xla_step)
         loss = loss + _exact_order_sum(eb)
         # What this block's rounding asks of every later column (T is upper triangular: earlier columns get 0).
@@ -298,8 +296,8 @@ def _solve_highest(weight, hessian, importance, config, codec, grid_weights=None
         dead_columns=jnp.sum(dead, dtype=jnp.int32))
 
 
-def _with_b0(step, b0, unroll, k, carry):
-    return step(k, carry, b0, unroll)
+def _with_b0(step, b0, k, carry):
+    return step(k, carry, b0)
 
 
 # Column steps per loop iteration. Each loop iteration costs the GPU a round of control overhead; unrolling 4

@@ -31,11 +31,16 @@ def accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _columns_at_most(bytes_per_row: int) -> int:
+    """A bound on the columns C of rows of ``bytes_per_row`` bytes (elements of at least 2 bytes)."""
+    return max(1, bytes_per_row // 2)
+
+
 def _most_slots(p: int, bytes_per_row: int, cap: int) -> int:
     """The most slots of a group of ``p`` rows per slot: a power of two, at most ``cap``, whose padded rows stay
     within :data:`GROUP_BYTES` and whose float32 products (one (C, C) a slot, C the rows' width in elements of at
     least 2 bytes: bounded by ``(bytes_per_row / 2)^2`` x 4 B) within :data:`PRODUCT_BYTES`."""
-    width = max(1, bytes_per_row // 2)
+    width = _columns_at_most(bytes_per_row)
     most = max(1, min(GROUP_BYTES // (p * bytes_per_row), PRODUCT_BYTES // (4 * width * width)))
     return min(cap, 1 << (most.bit_length() - 1))
 
@@ -48,7 +53,7 @@ def _least_slots(p: int, bytes_per_row: int, most: int) -> int:
     about a millisecond of arithmetic a call against about a second a compile on a GPU (a model of 512-wide
     experts compiled 27 accumulation programs, 28 at most: 7 levels of 4 sizes). Wider experts are never padded so
     (at 2048 columns not even 64 rows per slot), and keep at least an eighth of ``most``."""
-    width = max(1, bytes_per_row // 2)
+    width = _columns_at_most(bytes_per_row)
     return most if (most - 1) * p * width * width <= PADDING_PRODUCTS else max(1, most // 8)
 
 
