@@ -21,7 +21,7 @@ run() {   # run NAME [options]: a cold run on a fresh cache folder, then a warm 
   mkdir -p "$cache"
   for phase in cold warm; do
     echo "== $name $phase (JGPTQ_COMPILATION_CACHE=$cache)"
-    JGPTQ_COMPILATION_CACHE="$cache" python -m benchmarks moe_model "$@" \
+    JGPTQ_COMPILATION_CACHE="$cache" "${PYTHON:-python3}" -m benchmarks moe_model "$@" \
       --out "$out/moe_model_${name}_${phase}.json" 2>&1 | tee "$out/moe_model_${name}_${phase}.log"
   done
 }
@@ -29,7 +29,7 @@ run() {   # run NAME [options]: a cold run on a fresh cache folder, then a warm 
 run int4 "$@"
 run q4_k --format q4_k --export "$@"
 
-python - "$out" <<'EOF'
+"${PYTHON:-python3}" - "$out" <<'EOF'
 import json, sys
 
 out = sys.argv[1]

@@ -70,3 +70,23 @@ def test_the_planner_log_keeps_the_planners_messages_and_puts_the_level_back():
     assert [line.split(" ", 1)[1] for line in lines] == ["37 experts in 2 chunks", "second"]
     assert all(float(line.split(" ", 1)[0]) > 0 for line in lines)
     assert logger.level == before and not any(type(h).__name__ == "Keep" for h in logger.handlers)
+
+
+@pytest.mark.slow     # about 30 s: both shapes streamed, tiny
+def test_gpu_stream_script_runs_both_shapes_and_summarizes(tmp_path):
+    """``benchmarks/gpu_stream.sh``, the two frontier runs as they are made on a GPU, smoke-run on the CPU."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(["bash", "benchmarks/gpu_stream.sh", str(tmp_path), "t", "--tiny", "--sequences", "4",
+                           "--length", "16"], cwd=root, env=dict(os.environ, PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for shape, layers in (("deepseek_v3", 5), ("qwen3_235b", 6)):
+        r = json.loads((tmp_path / f"stream_model_{shape}_t.json").read_text())
+        assert (r["shape_name"], r["layers"], r["tiny"]) == (shape, layers, True)
+        assert (tmp_path / f"stream_model_{shape}_t.log").stat().st_size > 0
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(shape + ":"))
+        assert f"{layers} layers in" in line and "extrapolated to" in line
