@@ -11,16 +11,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import gguf
 import numpy as np
 
 from jgptq_torch import models
-from jgptq_torch.export.gguf.families import ARCHITECTURES, REFUSED, Arch, UnsupportedGGUFModel
-from jgptq_torch.export.gguf.families.base import head_dim, num_experts, refuse as _refuse
-from jgptq_torch.export.gguf.families.base import rope_parameters as _rope
+from jgptq_torch.export.gguf.families import (afmoe, deepseek, ernie, glm, gpt_oss, granite, hunyuan, lfm2, llama,
+                                              llama4, olmoe, qwen, qwen3next, qwen35, sigmoid_routed)
+from jgptq_torch.export.gguf.families.base import Arch, Target, UnsupportedGGUFModel, head_dim, num_experts
+from jgptq_torch.export.gguf.families.base import refuse as _refuse, rope_parameters as _rope
+
+_FAMILY_MODULES = (llama, qwen, olmoe, deepseek, glm, sigmoid_routed, granite, ernie, gpt_oss, llama4, hunyuan, lfm2,
+                   afmoe, qwen3next, qwen35)
+ARCHITECTURES = {spec.model_type: spec for module in _FAMILY_MODULES for spec in module.FAMILIES}
+
+# model_type -> why llama.cpp's architecture for it would compute another function (refused with that reason)
+REFUSED = {
+    "phimoe": "llama.cpp's phimoe routes with a renormalised softmax top-2, not transformers' sparsemixer, and "
+              "loads an output bias the model need not have",
+}
 
 
 def arch_of(model) -> Arch:
@@ -164,32 +174,6 @@ def qk_row_order(n_head: int, rows: int) -> np.ndarray:
     if rows % (2 * n_head):
         raise ValueError(f"Q/K permutation: {rows} rows are not {n_head} heads of an even head size")
     return np.arange(rows).reshape(n_head, 2, rows // n_head // 2).swapaxes(1, 2).reshape(-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Where (part of) a model parameter goes in the GGUF file.
-
-    Attributes:
-      name: GGUF tensor name.
-      rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all); of a bias
-        (role ``"bias"``, (..., out)), the entries of its last axis.
-      heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
-      role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
-      flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
-      split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
-        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
-        ``keeps_blocks`` (a bool, or a test of the record), ``blocks(payload)`` of a record (else the tensor is
-        written in the float type from the record's dequantized values), and ``imatrix(sums, counts)``: its
-        importance entry, or None.
-    """
-
-    name: str
-    rows: slice | None = None
-    heads: int | None = None
-    role: str = "weight"
-    flat: bool = False
-    split: object = None
 
 
 def _short(tensor: gguf.MODEL_TENSOR) -> str:

@@ -13,7 +13,7 @@ refused, as are configs without muP scaling (llama.cpp always applies it).
 
 import gguf
 
-from jgptq_torch.export.gguf.families.base import Arch, refuse
+from jgptq_torch.export.gguf.families.base import Arch, Target, refuse
 
 PERIOD = 4   # llama.cpp's pattern: 3 sliding layers with rotary embedding, then 1 global layer without
 
@@ -44,8 +44,6 @@ def _meta(cfg, meta, key):
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     if param.endswith(".mlp.expert_bias"):
         return [Target(tmap.get_name(param) + ".bias", role="norm")]
     return None

@@ -1,4 +1,5 @@
-"""The shape of one family's entry (:class:`Arch`) and the config readers every family shares."""
+"""The shape of one family's entry (:class:`Arch`), where a parameter goes in the file (:class:`Target`) and the config
+readers every family shares."""
 
 from __future__ import annotations
 
@@ -11,6 +12,32 @@ import numpy as np
 
 class UnsupportedGGUFModel(ValueError):
     """The model (or one of its settings) has no faithful llama.cpp GGUF counterpart in this exporter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where (part of) a model parameter goes in the GGUF file.
+
+    Attributes:
+      name: GGUF tensor name.
+      rows: rows of the parameter's nn.Linear-orientation (..., out, in) view it takes (None: all); of a bias
+        (role ``"bias"``, (..., out)), the entries of its last axis.
+      heads: Q/K head count when the rows are permuted for llama.cpp's RoPE (None: no permutation).
+      role: ``"norm"``, ``"bias"``, ``"router"``, ``"embedding"``, ``"output"`` or ``"weight"``.
+      flat: written as a vector (a (1, n) parameter llama.cpp loads as {n}, e.g. the shared expert's gate).
+      split: a family's rearrangement of the parameter (e.g. deepseek2's ``attn_k_b``/``attn_v_b`` halves of
+        ``kv_b_proj``): ``shape(full)``, ``floats(value)`` of the float (..., out, in) weight, and, where
+        ``keeps_blocks`` (a bool, or a test of the record), ``blocks(payload)`` of a record (else the tensor is
+        written in the float type from the record's dequantized values), and ``imatrix(sums, counts)``: its
+        importance entry, or None.
+    """
+
+    name: str
+    rows: slice | None = None
+    heads: int | None = None
+    role: str = "weight"
+    flat: bool = False
+    split: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +166,6 @@ def check_groups(model, spec) -> None:
 
 def correction_bias(model, spec, param, tmap):
     """The router's ``e_score_correction_bias`` as ``blk.N.exp_probs_b.bias`` (float32), or None."""
-    from jgptq_torch.export.gguf.arch import Target
-
     if param.endswith(".e_score_correction_bias"):
         return [Target(tmap.get_name(param[: -len("_bias")]) + ".bias", role="norm")]
     return None

@@ -20,7 +20,7 @@ import dataclasses
 import gguf
 import numpy as np
 
-from jgptq_torch.export.gguf.families.base import (Arch, check_groups, correction_bias, refuse,
+from jgptq_torch.export.gguf.families.base import (Arch, Target, check_groups, correction_bias, refuse,
                                                    sigmoid_routing)
 
 
@@ -91,8 +91,6 @@ def _meta(cfg, meta, key):
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     cfg = model.config
     owner = param.rpartition(".")[0]
     if param.endswith(".kv_b_proj.weight"):

@@ -5,7 +5,7 @@ router whose correction bias (``moe_statics``) steers the choice only, renormali
 
 import gguf
 
-from jgptq_torch.export.gguf.families.base import Arch, refuse
+from jgptq_torch.export.gguf.families.base import Arch, Target, refuse
 
 
 def _check(model, spec):
@@ -32,8 +32,6 @@ def _meta(cfg, meta, key):
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     if param.endswith(".gate.moe_statics.e_score_correction_bias"):
         owner = param[: -len(".gate.moe_statics.e_score_correction_bias")]
         return [Target(tmap.get_name(owner + ".moe_statics.e_score_correction") + ".bias", role="norm", flat=True)]

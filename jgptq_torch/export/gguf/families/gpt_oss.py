@@ -20,7 +20,7 @@ import warnings
 
 import gguf
 
-from jgptq_torch.export.gguf.families.base import Arch, refuse, rope_parameters
+from jgptq_torch.export.gguf.families.base import Arch, Target, refuse, rope_parameters
 
 # llama.cpp's constants of its clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE)
 ALPHA, LIMIT = 1.702, 7.0
@@ -65,8 +65,6 @@ def _meta(cfg, meta, key):
 
 def _special(model, spec, param, tmap):
     """The sinks (``attn_sinks.weight``, float32) and the output projection's and router's biases."""
-    from jgptq_torch.export.gguf.arch import Target
-
     owner, _, attr = param.rpartition(".")
     if attr == "sinks":
         return [Target(tmap.get_name(param) + ".weight", role="norm")]

@@ -5,7 +5,7 @@ shared MLP whose ``input_linear`` holds the gate rows then the up rows."""
 
 import gguf
 
-from jgptq_torch.export.gguf.families.base import Arch
+from jgptq_torch.export.gguf.families.base import Arch, Target
 
 
 def _meta(cfg, meta, key):
@@ -24,8 +24,6 @@ def _shared_meta(cfg, meta, key):
 
 def _shared_mlp(model, spec, param, tmap):
     """The shared MLP's fused ``input_linear`` (2 I, H) as ``ffn_gate_shexp`` (rows :I) and ``ffn_up_shexp``."""
-    from jgptq_torch.export.gguf.arch import Target
-
     if not param.endswith(".shared_mlp.input_linear.weight"):
         return None
     owner = param[: -len(".shared_mlp.input_linear.weight")]

@@ -11,7 +11,7 @@ float32 (its projections are ordinary weights).
 
 import gguf
 
-from jgptq_torch.export.gguf.families.base import Arch, ConvKernel, refuse, require_mha_width
+from jgptq_torch.export.gguf.families.base import Arch, ConvKernel, Target, refuse, require_mha_width
 
 
 def _check(model, spec):
@@ -43,8 +43,6 @@ def _meta(cfg, meta, key):
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     if param == "lm_head.weight":   # the name map of lfm2moe has no head; llama.cpp loads one named as usual
         tied = bool(model.config.tie_word_embeddings)
         return [] if tied else [Target(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight", role="output")]

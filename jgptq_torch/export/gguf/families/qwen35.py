@@ -27,6 +27,7 @@ from jgptq_torch.export.gguf.families import qwen3next
 from jgptq_torch.export.gguf.families.base import (
     Arch,
     ConvKernel,
+    Target,
     head_dim,
     refuse,
     rope_parameters,
@@ -110,8 +111,6 @@ def _meta(cfg, meta, key):
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     cfg = model.config
     if ".linear_attn." not in param:
         return qwen3next.norms(param, tmap)

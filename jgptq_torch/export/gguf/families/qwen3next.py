@@ -30,6 +30,7 @@ import torch
 from jgptq_torch.export.gguf.families.base import (
     Arch,
     ConvKernel,
+    Target,
     head_dim,
     refuse,
     require_every_layer_moe,
@@ -137,16 +138,12 @@ def _meta(cfg, meta, key):
 
 def norms(param, tmap):
     """The zero-centred RMS norms (all but the linear attention's gated one) as ``1 + weight``, or None."""
-    from jgptq_torch.export.gguf.arch import Target
-
     if param.endswith("norm.weight") and not param.endswith(".linear_attn.norm.weight"):
         return [Target(tmap.get_name(param[: -len(".weight")]) + ".weight", role="norm", split=PLUS_ONE)]
     return None
 
 
 def _special(model, spec, param, tmap):
-    from jgptq_torch.export.gguf.arch import Target
-
     owner, _, attr = param.rpartition(".")
     if param.endswith(".linear_attn.in_proj_qkvz.weight"):
         bid = int(param.split(".")[2])
