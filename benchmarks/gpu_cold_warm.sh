@@ -6,10 +6,12 @@
 #   benchmarks/gpu_cold_warm.sh OUT_DIR [extra moe_model options, e.g. --small for a smoke run]
 #
 # Writes OUT_DIR/moe_model_{int4,q4_k}_{cold,warm}.json (the benchmark's --out) and .log, and prints
-# cold / warm per format with layer 0's and the other layers' stages. Run from the repository root.
+# cold / warm per format with layer 0's and the other layers' stages. Run from the repository root;
+# PYTHON (default python3) runs the benchmarks.
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_cold_warm.sh OUT_DIR [moe_model options]}
 shift
+py=${PYTHON:-python3}
 mkdir -p "$out"
 caches=$(mktemp -d "${TMPDIR:-/tmp}/jgptq-cold-warm.XXXXXX")
 trap 'rm -rf "$caches"' EXIT
@@ -21,7 +23,7 @@ run() {   # run NAME [options]: a cold run on a fresh cache folder, then a warm 
   mkdir -p "$cache"
   for phase in cold warm; do
     echo "== $name $phase (JGPTQ_COMPILATION_CACHE=$cache)"
-    JGPTQ_COMPILATION_CACHE="$cache" "${PYTHON:-python3}" -m benchmarks moe_model "$@" \
+    JGPTQ_COMPILATION_CACHE="$cache" "$py" -m benchmarks moe_model "$@" \
       --out "$out/moe_model_${name}_${phase}.json" 2>&1 | tee "$out/moe_model_${name}_${phase}.log"
   done
 }
@@ -29,7 +31,7 @@ run() {   # run NAME [options]: a cold run on a fresh cache folder, then a warm 
 run int4 "$@"
 run q4_k --format q4_k --export "$@"
 
-"${PYTHON:-python3}" - "$out" <<'EOF'
+"$py" - "$out" <<'EOF'
 import json, sys
 
 out = sys.argv[1]

@@ -2,8 +2,8 @@
 # The two streamed frontier shapes on one GPU, each in a fresh temporary folder (removed after): DeepSeek-V3 (3 dense
 # + 2 MoE layers of all 256 experts, from FP8 with 128x128 block scales) and Qwen3-235B-A22B (6 MoE layers, from
 # bf16), 64 x 2048 calibration tokens, int4 g128, with the allocators under which each ran through on an 80 GB card:
-# JAX on its platform allocator for DeepSeek-V3 (torch and JAX then return what they free between programs), both
-# frameworks on CUDA's stream-ordered allocator for Qwen3-235B (README "Streaming a model from disk").
+# JAX on its platform allocator for DeepSeek-V3 (JAX then gives back what a program freed, for torch's next layer),
+# both frameworks on CUDA's stream-ordered allocator for Qwen3-235B (README "Streaming a model from disk").
 #
 #   benchmarks/gpu_stream.sh OUT_DIR [TAG] [extra stream_model options, e.g. --tiny for a CPU smoke run]
 #

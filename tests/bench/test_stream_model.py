@@ -3,6 +3,9 @@ on the CPU under a device budget that puts its MoE layers' routed experts in chu
 with the files it wrote."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -75,10 +78,6 @@ def test_the_planner_log_keeps_the_planners_messages_and_puts_the_level_back():
 @pytest.mark.slow     # about 30 s: both shapes streamed, tiny
 def test_gpu_stream_script_runs_both_shapes_and_summarizes(tmp_path):
     """``benchmarks/gpu_stream.sh``, the two frontier runs as they are made on a GPU, smoke-run on the CPU."""
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(["bash", "benchmarks/gpu_stream.sh", str(tmp_path), "t", "--tiny", "--sequences", "4",
                            "--length", "16"], cwd=root, env=dict(os.environ, PYTHON=sys.executable),
